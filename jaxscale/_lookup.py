@@ -1,0 +1,102 @@
+"""Find a :func:`grad_scaler`'s state inside any nested optimizer state.
+
+Optax nests states: ``optax.chain`` makes tuples, ``inject_hyperparams`` and
+``MultiSteps`` wrap their inner state, and ``flax.nnx.Optimizer`` holds the tree
+with ``nnx.Variable`` leaves. The helpers here walk any such pytree, find the one
+:class:`GradScalerState`, and read it, unwrapping variables where needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxscale._scaling import scale_outputs
+from jaxscale._transform import GradScalerState
+
+
+def _array(leaf: Any) -> jax.Array:
+    # flax.nnx.Variable (and its OptState subclasses) hold their array behind get_value().
+    get_value = getattr(leaf, "get_value", None)
+    return get_value() if callable(get_value) else leaf
+
+
+def find_state(opt_state: Any) -> GradScalerState:
+    """Return the single :class:`GradScalerState` inside ``opt_state``.
+
+    Raises:
+      ValueError: if ``opt_state`` holds no grad_scaler state, or more than one
+        (then pass the sub-state of the one you mean).
+    """
+    leaves = jax.tree_util.tree_leaves(
+        opt_state, is_leaf=lambda node: isinstance(node, GradScalerState)
+    )
+    found = [leaf for leaf in leaves if isinstance(leaf, GradScalerState)]
+    if len(found) != 1:
+        problem = "none" if not found else f"{len(found)}"
+        hint = (
+            "pass the state of an optimizer built with jaxscale.grad_scaler(...)"
+            if not found
+            else "pass the sub-state that holds the one you mean"
+        )
+        raise ValueError(
+            f"expected one grad_scaler state in the {type(opt_state).__name__} given, "
+            f"found {problem}; {hint}"
+        )
+    return found[0]
+
+
+def get_scale(opt_state: Any) -> jax.Array:
+    """The current loss scale (float32 scalar) of the grad_scaler inside ``opt_state``.
+
+    1.0 when the scaler was built with ``enabled=False``. Jittable.
+
+    >>> import jax.numpy as jnp, optax, jaxscale
+    >>> opt_state = jaxscale.grad_scaler(optax.adam(1e-3)).init({"w": jnp.zeros(2)})
+    >>> jaxscale.get_scale(opt_state)
+    Array(65536., dtype=float32)
+    """
+    state = find_state(opt_state)
+    if state.scaler is None:
+        return jnp.float32(1.0)
+    return _array(state.scaler.scale)
+
+
+def found_inf(opt_state: Any) -> jax.Array:
+    """Whether the last update's gradients held an inf or NaN, so that it was skipped.
+
+    A boolean scalar; False before the first update and when disabled. Jittable.
+    """
+    state = find_state(opt_state)
+    if state.found_inf is None:
+        return jnp.asarray(False)
+    return _array(state.found_inf)
+
+
+def skipped_steps(opt_state: Any) -> jax.Array:
+    """How many updates the grad_scaler inside ``opt_state`` has skipped (int32 scalar)."""
+    state = find_state(opt_state)
+    if state.skipped_steps is None:
+        return jnp.zeros((), jnp.int32)
+    return _array(state.skipped_steps)
+
+
+def scale(loss_or_tree: Any, opt_state: Any) -> Any:
+    """Multiply a loss (or any tree of floating arrays) by the current loss scale.
+
+    Differentiate the result: its gradients are the scaled gradients that the
+    :func:`grad_scaler` transform inside ``opt_state`` expects. Each leaf keeps its
+    dtype (see :func:`scale_outputs`). When the scaler is disabled the input is
+    returned unchanged.
+
+    >>> import jax.numpy as jnp, optax, jaxscale
+    >>> opt_state = jaxscale.grad_scaler(optax.sgd(0.1), init_scale=8.0).init(jnp.zeros(2))
+    >>> jaxscale.scale(jnp.float32(0.5), opt_state)
+    Array(4., dtype=float32)
+    """
+    state = find_state(opt_state)
+    if state.scaler is None:
+        return loss_or_tree
+    return scale_outputs(loss_or_tree, _array(state.scaler.scale))

@@ -1,0 +1,205 @@
+"""``grad_scaler``: dynamic loss scaling as an Optax transform wrapping any optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jaxscale import _validation
+from jaxscale._state import ScalerState, init_scaler_state
+from jaxscale._unscale import unscale_and_check
+from jaxscale._update_rule import ScaleUpdateRule
+
+_INT32_MAX = 2**31 - 1
+
+AxisName = Hashable | Sequence[Hashable]
+
+
+class GradScalerState(NamedTuple):
+    """State of :func:`grad_scaler`.
+
+    Attributes:
+      scaler: the :class:`ScalerState` (scale and trackers); ``None`` when the
+        transform was built with ``enabled=False``.
+      found_inf: bool scalar, whether the last update's gradients held an inf or
+        NaN (and so was skipped); ``None`` when disabled.
+      skipped_steps: int32 scalar, the number of updates skipped since ``init``
+        (saturating); ``None`` when disabled.
+      inner_state: the wrapped transform's state, untouched by skipped updates.
+    """
+
+    scaler: ScalerState | None
+    found_inf: jax.Array | None
+    skipped_steps: jax.Array | None
+    inner_state: Any
+
+
+def _skipped_update(update: jax.Array) -> jax.Array:
+    # -0.0 rather than +0.0: p + (-0.0) == p bitwise for every float p, including
+    # p == -0.0, so optax.apply_updates leaves parameters exactly as they were.
+    if jnp.issubdtype(update.dtype, jnp.floating):
+        return jnp.full_like(update, -0.0)
+    return jnp.zeros_like(update)
+
+
+def _select_unless(found_inf: jax.Array, on_skip: Any, on_step: Any) -> Any:
+    return jax.tree.map(lambda skip, step: jnp.where(found_inf, skip, step), on_skip, on_step)
+
+
+def _any_over_axis(found_inf: jax.Array, axis_name: AxisName | None) -> jax.Array:
+    if axis_name is None:
+        return found_inf
+    return lax.pmax(found_inf.astype(jnp.int32), axis_name) > 0
+
+
+def grad_scaler(
+    inner: optax.GradientTransformation,
+    *,
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    enabled: bool = True,
+    axis_name: AxisName | None = None,
+    min_scale: float | None = None,
+    max_scale: float | None = None,
+    hysteresis: int = 1,
+    dynamic: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+    """Wrap an Optax optimizer with dynamic loss scaling, as ``torch.amp.GradScaler``.
+
+    The returned transform's ``update`` takes the gradients of the *scaled* loss
+    (``jaxscale.scale(loss, opt_state)``) and:
+
+    1. checks them for inf/NaN (over all devices of ``axis_name`` when given;
+       under ``jax.jit`` with sharded arrays the check is global already);
+    2. when all are finite, unscales them and runs ``inner.update``, so clipping
+       and everything else inside ``inner`` sees the true gradients;
+    3. when not, emits zero updates (``-0.0``, so parameters stay bitwise equal)
+       and keeps ``inner``'s state exactly as it was: the step is skipped, like
+       PyTorch not calling ``optimizer.step()``;
+    4. updates the scale by PyTorch's rule (:func:`update_scale`).
+
+    All of it runs inside the caller's ``jit``: no host synchronisation, and no
+    recompilation when the scale changes. Extra arguments to ``update`` are
+    forwarded to ``inner``.
+
+    Args:
+      inner: the optimizer to wrap (any ``optax.GradientTransformation``).
+      init_scale: initial scale (positive, finite in float32).
+      growth_factor: factor applied after ``growth_interval`` finite steps (> 1).
+      backoff_factor: factor applied after an overflow, in (0, 1).
+      growth_interval: consecutive finite steps before growth (int >= 1).
+      enabled: if False, the transform is ``inner`` plus a state wrapper: no
+        check, no unscaling, and :func:`scale` returns the loss unchanged.
+      axis_name: the mapped axis name (or names) under ``shard_map``/``pmap``
+        over which the inf/NaN decision is shared, so every device skips alike.
+      min_scale: optional floor for backoff (off by default, as PyTorch).
+      max_scale: optional ceiling for growth (off by default, as PyTorch).
+      hysteresis: consecutive overflows before the scale backs off (1, the
+        default, is PyTorch's rule); every overflowing step is still skipped.
+      dynamic: if False, the scale stays at ``init_scale`` (a static loss scale);
+        non-finite steps are still skipped.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      :class:`GradScalerState`.
+
+    Raises:
+      TypeError, ValueError: for a hyperparameter of the wrong kind or out of
+        range, naming it.
+
+    >>> import jax, jax.numpy as jnp, optax, jaxscale
+    >>> params = {"w": jnp.array([1.0, -2.0])}
+    >>> tx = jaxscale.grad_scaler(optax.sgd(0.1), init_scale=1024.0)
+    >>> opt_state = tx.init(params)
+    >>> def loss_fn(p):
+    ...     return jnp.sum(p["w"] ** 2)
+    >>> @jax.jit
+    ... def train_step(params, opt_state):
+    ...     grads = jax.grad(lambda p: jaxscale.scale(loss_fn(p), opt_state))(params)
+    ...     updates, opt_state = tx.update(grads, opt_state, params)
+    ...     return optax.apply_updates(params, updates), opt_state
+    >>> params, opt_state = train_step(params, opt_state)
+    >>> params["w"], float(jaxscale.get_scale(opt_state))
+    (Array([ 0.8, -1.6], dtype=float32), 1024.0)
+    """
+    inner = optax.with_extra_args_support(inner)
+    rule = ScaleUpdateRule(
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        hysteresis=hysteresis,
+    )
+    init_scale = _validation.init_scale_within(init_scale, rule.min_scale, rule.max_scale)
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__} {enabled!r}")
+    if not isinstance(dynamic, bool):
+        raise TypeError(f"dynamic must be a bool, got {type(dynamic).__name__} {dynamic!r}")
+
+    if not enabled:
+        return _passthrough(inner)
+
+    def init_fn(params: optax.Params) -> GradScalerState:
+        return GradScalerState(
+            scaler=init_scaler_state(init_scale),
+            found_inf=jnp.asarray(False),
+            skipped_steps=jnp.zeros((), jnp.int32),
+            inner_state=inner.init(params),
+        )
+
+    def update_fn(
+        updates: optax.Updates,
+        state: GradScalerState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, GradScalerState]:
+        if state.scaler is None or state.skipped_steps is None:
+            raise ValueError(
+                "this grad_scaler is enabled but was given the state of a disabled one "
+                "(built with enabled=False); initialise the state with this transform's init"
+            )
+        unscaled, found_inf = unscale_and_check(updates, state.scaler.scale)
+        found_inf = _any_over_axis(found_inf, axis_name)
+        stepped_updates, stepped_inner_state = inner.update(
+            unscaled, state.inner_state, params, **extra_args
+        )
+        new_updates = _select_unless(
+            found_inf, jax.tree.map(_skipped_update, stepped_updates), stepped_updates
+        )
+        new_inner_state = _select_unless(found_inf, state.inner_state, stepped_inner_state)
+        scaler = rule.apply(state.scaler, found_inf) if dynamic else state.scaler
+        skipped = state.skipped_steps
+        skipped = jnp.where(found_inf & (skipped < _INT32_MAX), skipped + 1, skipped)
+        return new_updates, GradScalerState(
+            scaler=scaler, found_inf=found_inf, skipped_steps=skipped, inner_state=new_inner_state
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _passthrough(
+    inner: optax.GradientTransformationExtraArgs,
+) -> optax.GradientTransformationExtraArgs:
+    """``inner`` with its state wrapped in a :class:`GradScalerState` marked disabled."""
+
+    def init_fn(params: optax.Params) -> GradScalerState:
+        return GradScalerState(None, None, None, inner.init(params))
+
+    def update_fn(
+        updates: optax.Updates,
+        state: GradScalerState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, GradScalerState]:
+        updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+        return updates, state._replace(inner_state=inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,170 @@
+"""The loss-scale update rule, as ``torch._amp_update_scale_``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxscale import _validation
+from jaxscale._rounding import multiply_as_double
+from jaxscale._state import ScalerState
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleUpdateRule:
+    """Validated, hashable hyperparameters of the update rule (static configuration).
+
+    See :func:`update_scale` for the meaning of each field. Constructing one
+    validates every field and raises ``TypeError``/``ValueError`` naming the bad
+    value; numbers are normalised to Python ``float``/``int``.
+    """
+
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float | None = None
+    max_scale: float | None = None
+    hysteresis: int = 1
+
+    def __post_init__(self) -> None:
+        low, high = _validation.scale_bounds(self.min_scale, self.max_scale)
+        normalised = {
+            "growth_factor": _validation.growth_factor(self.growth_factor),
+            "backoff_factor": _validation.backoff_factor(self.backoff_factor),
+            "growth_interval": _validation.growth_interval(self.growth_interval),
+            "min_scale": low,
+            "max_scale": high,
+            "hysteresis": _validation.hysteresis(self.hysteresis),
+        }
+        for name, value in normalised.items():
+            object.__setattr__(self, name, value)
+
+    def apply(self, state: ScalerState, found_inf: Any) -> ScalerState:
+        """The new state after a step whose gradients were (``found_inf``) or were not finite."""
+        found_inf = _as_found_inf(found_inf)
+        scale = jnp.asarray(state.scale, jnp.float32)
+        tracker = jnp.asarray(state.growth_tracker, jnp.int32)
+        streak = jnp.asarray(state.overflow_streak, jnp.int32)
+
+        # The streak holds the overflows tolerated so far (at most hysteresis - 1), so
+        # streak + 1 cannot overflow and stays 0 under PyTorch's rule (hysteresis=1).
+        overflows = streak + 1
+        backs_off = found_inf & (overflows >= self.hysteresis)
+        new_streak = jnp.where(found_inf, jnp.minimum(overflows, self.hysteresis - 1), 0)
+        backed_off = multiply_as_double(scale, self.backoff_factor)
+        if self.min_scale is not None:
+            backed_off = jnp.maximum(backed_off, jnp.float32(self.min_scale))
+
+        successful = jnp.where(tracker < _INT32_MAX, tracker + 1, tracker)
+        reaches_interval = ~found_inf & (successful == self.growth_interval)
+        grown = multiply_as_double(scale, self.growth_factor)
+        grows = reaches_interval & jnp.isfinite(grown)
+        if self.max_scale is not None:
+            grown = jnp.minimum(grown, jnp.float32(self.max_scale))
+
+        new_scale = jnp.where(backs_off, backed_off, jnp.where(grows, grown, scale))
+        new_tracker = jnp.where(found_inf | reaches_interval, 0, successful)
+        return ScalerState(
+            scale=new_scale,
+            growth_tracker=new_tracker.astype(jnp.int32),
+            overflow_streak=new_streak.astype(jnp.int32),
+        )
+
+
+def _as_found_inf(found_inf: Any) -> jax.Array:
+    """A boolean scalar; PyTorch's float ``found_inf`` (0.0 or a count) is true when nonzero."""
+    found_inf = jnp.asarray(found_inf)
+    if found_inf.shape != ():
+        raise ValueError(f"found_inf must be a scalar, got shape {found_inf.shape}")
+    if found_inf.dtype == jnp.bool_:
+        return found_inf
+    return found_inf != 0
+
+
+def update_scale(
+    state: ScalerState,
+    found_inf: Any,
+    *,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    min_scale: float | None = None,
+    max_scale: float | None = None,
+    hysteresis: int = 1,
+) -> ScalerState:
+    """Return the state after one step, by PyTorch's ``_amp_update_scale_`` rule.
+
+    With the default ``min_scale``, ``max_scale`` and ``hysteresis`` the rule is
+    PyTorch's exactly::
+
+        if found_inf:
+            scale = round_f32(scale * backoff_factor)     # no floor
+            growth_tracker = 0
+        else:
+            successful = growth_tracker + 1
+            if successful == growth_interval:             # exact equality
+                candidate = round_f32(scale * growth_factor)
+                if isfinite(candidate):                   # never grow to inf
+                    scale = candidate
+                growth_tracker = 0                        # reset even if refused
+            else:
+                growth_tracker = successful
+
+    ``round_f32(scale * f)`` is the product computed in double precision and
+    rounded to float32, bit-identical to PyTorch for any factors without
+    ``jax_enable_x64`` (see :func:`jaxscale._rounding.multiply_as_double`).
+
+    The opt-in extensions change the rule as follows:
+
+    * ``min_scale``: a backed-off scale is raised to at least ``min_scale``.
+    * ``max_scale``: a grown scale is lowered to at most ``max_scale``.
+    * ``hysteresis=n``: the scale backs off on the ``n``-th consecutive
+      overflowing step and on every consecutive one after it; the ``n - 1``
+      before it are tolerated (still skipped, scale kept). ``overflow_streak``
+      counts consecutive overflows, saturating at ``n - 1``; a finite step resets
+      it, and ``growth_tracker`` is reset on every overflow. ``n=1`` is PyTorch's
+      rule and keeps ``overflow_streak`` at 0.
+
+    Args:
+      state: the current :class:`ScalerState`.
+      found_inf: whether this step's gradients held an inf or NaN: a boolean
+        scalar, or a number that is nonzero when they did (as PyTorch's float
+        ``found_inf``).
+      growth_factor: factor applied on growth; a finite number > 1.
+      backoff_factor: factor applied on overflow; in (0, 1).
+      growth_interval: consecutive finite steps before growth; an int >= 1.
+      min_scale: optional floor for backoff (positive; float32 comparison).
+      max_scale: optional ceiling for growth (positive; float32 comparison).
+      hysteresis: consecutive overflows before backing off; an int >= 1.
+
+    Returns:
+      The new :class:`ScalerState`. Jittable; hyperparameters are static.
+
+    >>> import jax.numpy as jnp
+    >>> from jaxscale import init_scaler_state, update_scale
+    >>> state = init_scaler_state(4.0)
+    >>> kw = dict(growth_factor=2.0, backoff_factor=0.25, growth_interval=2)
+    >>> state = update_scale(state, False, **kw)
+    >>> int(state.growth_tracker), float(state.scale)
+    (1, 4.0)
+    >>> state = update_scale(state, False, **kw)
+    >>> int(state.growth_tracker), float(state.scale)
+    (0, 8.0)
+    >>> state = update_scale(state, True, **kw)
+    >>> int(state.growth_tracker), float(state.scale)
+    (0, 2.0)
+    """
+    rule = ScaleUpdateRule(
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        hysteresis=hysteresis,
+    )
+    return rule.apply(state, found_inf)

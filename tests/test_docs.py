@@ -1,0 +1,55 @@
+"""The examples in the documentation run: docstrings and the README's Python blocks."""
+
+import doctest
+import importlib
+import pathlib
+import pkgutil
+import re
+
+import pytest
+import third_party
+
+import jaxscale
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MODULES = sorted(
+    name for _, name, _ in pkgutil.walk_packages(jaxscale.__path__, prefix="jaxscale.")
+)
+
+
+def test_every_module_is_collected_and_examples_exist():
+    assert "jaxscale._transform" in MODULES
+    assert "jaxscale._update_rule" in MODULES
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    examples = sum(
+        len(test.examples)
+        for name in MODULES
+        for test in finder.find(importlib.import_module(name), name, globs={})
+    )
+    assert examples >= 40
+
+
+@pytest.mark.parametrize("module_name", MODULES)
+def test_docstring_examples_run(module_name):
+    module = importlib.import_module(module_name)
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    for test in finder.find(module, module_name, globs={}):
+        runner.run(test)
+    assert runner.failures == 0, f"{runner.failures} docstring example(s) failed in {module_name}"
+
+
+def readme_python_blocks():
+    text = (ROOT / "README.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+
+
+def test_readme_has_python_examples():
+    assert len(readme_python_blocks()) >= 1
+
+
+@pytest.mark.parametrize("index", range(len(readme_python_blocks())))
+def test_readme_python_blocks_run(index, capsys):
+    # README code is user code: it runs under JAX's default (standard) promotion.
+    with third_party.standard_promotion():
+        exec(compile(readme_python_blocks()[index], f"README.md block {index}", "exec"), {})

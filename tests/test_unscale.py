@@ -1,0 +1,149 @@
+"""unscale_and_check, all_finite and scale_outputs: the per-leaf arithmetic."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch_reference
+
+from jaxscale import all_finite, scale_outputs, unscale_and_check
+from jaxscale._unscale import inverse_scale
+
+MODES = ["eager", "jit"]
+
+
+def call(fn, mode, *args):
+    return jax.jit(fn)(*args) if mode == "jit" else fn(*args)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_pytorch_unscale_test_numbers(mode, dtype):
+    # PyTorch's test_grad_scaling_unscale: inv_scale 0.25 (scale 4), grads of 4.0 -> 1.0.
+    grads = [jnp.full((10, 10), 4.0, dtype), jnp.full((10, 10), 4.0, dtype)]
+    unscaled, found_inf = call(unscale_and_check, mode, grads, jnp.float32(4.0))
+    assert not bool(found_inf)
+    for g in unscaled:
+        assert g.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.ones((10, 10), np.float32))
+    grads[1] = grads[1].at[2, 2].set(jnp.inf)
+    _, found_inf = call(unscale_and_check, mode, grads, jnp.float32(4.0))
+    assert bool(found_inf)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_each_non_finite_kind_is_found(mode, bad):
+    grads = {"a": jnp.ones(5, jnp.float16), "b": jnp.array([1.0, bad, 3.0], jnp.float32)}
+    unscaled, found_inf = call(unscale_and_check, mode, grads, jnp.float32(2.0))
+    assert bool(found_inf)
+    # unscaled values are still returned, as PyTorch unscales in place regardless
+    np.testing.assert_array_equal(
+        np.asarray(unscaled["b"]), np.array([0.5, bad / 2, 1.5], np.float32)
+    )
+
+
+def test_check_is_on_scaled_values_so_overflow_after_unscaling_is_not_found():
+    # scale < 1 makes inv_scale > 1: a finite float16 value can overflow when unscaled.
+    # PyTorch checks the scaled values, reports no inf, and returns inf. So does jaxscale.
+    grads = [np.array([60000.0, 1.0], np.float16)]
+    unscaled, found_inf = unscale_and_check([jnp.asarray(grads[0])], jnp.float32(0.5))
+    expected, expected_found = torch_reference.unscale(grads, np.float32(0.5))
+    assert bool(found_inf) is expected_found is False
+    np.testing.assert_array_equal(np.asarray(unscaled[0]), expected[0])
+    assert np.isinf(np.asarray(unscaled[0])[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_non_floating_leaves_and_none_pass_through(mode):
+    int_grad = jax.grad(lambda x, n: x * 2.0, argnums=(0, 1), allow_int=True)(1.0, 3)[1]
+    assert int_grad.dtype == jax.dtypes.float0
+    grads = {"f": jnp.full(3, 8.0), "i": jnp.arange(3), "b": jnp.array([True]), "none": None}
+    unscaled, found_inf = call(unscale_and_check, mode, grads, jnp.float32(4.0))
+    assert unscaled["none"] is None
+    np.testing.assert_array_equal(unscaled["i"], np.arange(3))
+    np.testing.assert_array_equal(unscaled["b"], [True])
+    np.testing.assert_array_equal(unscaled["f"], np.full(3, 2.0, np.float32))
+    assert not bool(found_inf)
+    unscaled, _ = unscale_and_check({"n": int_grad}, jnp.float32(4.0))  # float0 passes eagerly
+    assert unscaled["n"].dtype == jax.dtypes.float0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_empty_tree_is_all_finite(mode):
+    for tree in [{}, [], (), None]:
+        unscaled, found_inf = call(unscale_and_check, mode, tree, jnp.float32(4.0))
+        assert unscaled == tree
+        assert not bool(found_inf)
+        assert bool(all_finite(tree))
+
+
+def test_float64_leaves_compute_in_float64():
+    with jax.enable_x64(True):
+        g = np.array([3.0, 1e300, np.nextafter(1.0, 2.0)], np.float64)
+        unscaled, found_inf = unscale_and_check([jnp.asarray(g)], jnp.float32(3.0))
+        expected, expected_found = torch_reference.unscale([g], np.float32(3.0))
+        assert unscaled[0].dtype == jnp.float64
+        assert not bool(found_inf)
+        assert not expected_found
+        np.testing.assert_array_equal(np.asarray(unscaled[0]), expected[0])
+
+
+def test_complex_leaves_are_rejected_naming_the_leaf():
+    with pytest.raises(
+        TypeError, match=r"leaf \['w'\]: complex arrays are not supported, got dtype complex64"
+    ):
+        unscale_and_check({"w": jnp.ones(2, jnp.complex64)}, jnp.float32(2.0))
+
+
+def test_non_array_leaves_are_rejected_naming_the_leaf():
+    with pytest.raises(TypeError, match=r"leaf \[1\]: expected an array, got str 'x'"):
+        all_finite([jnp.ones(2), "x"])
+
+
+def test_inverse_scale_equals_pytorch_double_reciprocal():
+    rng = np.random.default_rng(0)
+    # every normal float32 up to 2**126 (beyond it the reciprocal is a subnormal)
+    scales = rng.integers(0x00800000, 0x7E800000, 200_000, dtype=np.uint32).view(np.float32)
+    got = np.asarray(jax.jit(jax.vmap(inverse_scale))(jnp.asarray(scales)))
+    expected = (1.0 / scales.astype(np.float64)).astype(np.float32)
+    assert (got.view(np.uint32) == expected.view(np.uint32)).all()
+    for scale in scales[:20]:
+        assert inverse_scale(jnp.float32(scale)) == torch_reference.inverse_scale(scale)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_scale_outputs_keeps_structure_and_dtypes(mode):
+    outputs = {
+        "loss": jnp.float32(0.25),
+        "aux": [jnp.array([1.0, 2.0], jnp.bfloat16), (jnp.float16(3.0),)],
+    }
+    scaled = call(scale_outputs, mode, outputs, jnp.float32(1024.0))
+    assert jax.tree.structure(scaled) == jax.tree.structure(outputs)
+    assert float(scaled["loss"]) == 256.0
+    assert scaled["aux"][0].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(scaled["aux"][0], np.float32), [1024.0, 2048.0])
+    assert scaled["aux"][1][0].dtype == jnp.float16
+    assert float(scaled["aux"][1][0]) == 3072.0
+
+
+def test_scale_outputs_rounds_once_from_float32():
+    # A scale float16 cannot hold: multiplying in float32 and rounding once gives 28.11;
+    # rounding the scale to float16 first would give 28.1.
+    scaled = scale_outputs(jnp.float16(81.56), jnp.float32(0.34457194805145264))
+    assert scaled.dtype == jnp.float16
+    assert float(scaled) == float(np.float16(28.11))
+    assert float(scaled) != float(np.float16(81.56) * np.float16(0.34457194805145264))
+
+
+@pytest.mark.parametrize(
+    ("outputs", "message"),
+    [
+        (jnp.arange(3), r"can only scale floating arrays, got dtype int32 at <root>"),
+        ({"loss": 1.0}, r"can only scale floating arrays, got float at \['loss'\]"),
+        (["loss"], r"can only scale floating arrays, got str at \[0\]"),
+    ],
+)
+def test_scale_outputs_rejects_non_floating(outputs, message):
+    with pytest.raises(TypeError, match=message):
+        scale_outputs(outputs, jnp.float32(2.0))
