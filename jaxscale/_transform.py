@@ -11,6 +11,7 @@ import optax
 from jax import lax
 
 from jaxscale import _validation
+from jaxscale._skip import keep_unless, mask_updates
 from jaxscale._state import ScalerState, init_scaler_state
 from jaxscale._unscale import unscale_and_check
 from jaxscale._update_rule import ScaleUpdateRule
@@ -37,18 +38,6 @@ class GradScalerState(NamedTuple):
     found_inf: jax.Array | None
     skipped_steps: jax.Array | None
     inner_state: Any
-
-
-def _skipped_update(update: jax.Array) -> jax.Array:
-    # -0.0 rather than +0.0: p + (-0.0) == p bitwise for every float p, including
-    # p == -0.0, so optax.apply_updates leaves parameters exactly as they were.
-    if jnp.issubdtype(update.dtype, jnp.floating):
-        return jnp.full_like(update, -0.0)
-    return jnp.zeros_like(update)
-
-
-def _select_unless(found_inf: jax.Array, on_skip: Any, on_step: Any) -> Any:
-    return jax.tree.map(lambda skip, step: jnp.where(found_inf, skip, step), on_skip, on_step)
 
 
 def _any_over_axis(found_inf: jax.Array, axis_name: AxisName | None) -> jax.Array:
@@ -171,10 +160,8 @@ def grad_scaler(
         stepped_updates, stepped_inner_state = inner.update(
             unscaled, state.inner_state, params, **extra_args
         )
-        new_updates = _select_unless(
-            found_inf, jax.tree.map(_skipped_update, stepped_updates), stepped_updates
-        )
-        new_inner_state = _select_unless(found_inf, state.inner_state, stepped_inner_state)
+        new_updates = mask_updates(found_inf, stepped_updates)
+        new_inner_state = keep_unless(found_inf, state.inner_state, stepped_inner_state)
         scaler = rule.apply(state.scaler, found_inf) if dynamic else state.scaler
         skipped = state.skipped_steps
         skipped = jnp.where(found_inf & (skipped < _INT32_MAX), skipped + 1, skipped)

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 import third_party
+from flax import nnx
 
 import jaxscale
 
@@ -58,13 +59,15 @@ def primitives(jaxpr):
     return names
 
 
-def host_primitives(step):
-    jaxpr = jax.make_jaxpr(step)(PARAMS, TX.init(PARAMS))
+def host_primitives(step, *args):
+    args = args or (PARAMS, TX.init(PARAMS))
+    jaxpr = jax.make_jaxpr(step)(*args)
     return {name for name in primitives(jaxpr.jaxpr) if HOST_PRIMITIVE.search(name)}
 
 
-def host_hlo(step):
-    hlo = jax.jit(step).lower(PARAMS, TX.init(PARAMS)).compile().as_text()
+def host_hlo(step, *args):
+    args = args or (PARAMS, TX.init(PARAMS))
+    hlo = jax.jit(step).lower(*args).compile().as_text()
     instructions = [
         re.sub(r", metadata=\{.*?\}", "", line)
         for line in hlo.splitlines()
@@ -94,3 +97,35 @@ def test_fifty_steps_run_with_host_transfers_disallowed():
         with pytest.raises(jax.errors.JaxRuntimeError, match="Disallowed host-to-device transfer"):
             step({"w": PARAMS["w"], "b": np.zeros(8, np.float32)}, opt_state)
     assert float(jaxscale.get_scale(opt_state)) == 65536.0
+
+
+def facade_step():
+    """A pure NNX train step with GradScaler: scale, unscale_, step, update."""
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(16, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.linear(x)
+
+    model = Model(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, third_party.optimizer(optax.adam(1e-3)), wrt=nnx.Param)
+    scaler = jaxscale.GradScaler()
+    graphdef, state = nnx.split((model, optimizer, scaler))
+
+    def step(state):
+        model, optimizer, scaler = nnx.merge(graphdef, state)
+        grads = nnx.grad(lambda m: scaler.scale(jnp.mean(m(X) ** 2)))(model)
+        grads = scaler.unscale_(optimizer, grads)
+        scaler.step(optimizer, model, grads)
+        scaler.update()
+        return nnx.state((model, optimizer, scaler))
+
+    return step, state
+
+
+def test_facade_step_has_no_callbacks_or_host_transfers():
+    step, state = facade_step()
+    assert host_primitives(step, state) == set()
+    assert host_hlo(step, state) == []

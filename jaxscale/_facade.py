@@ -1,0 +1,373 @@
+"""``GradScaler``: PyTorch's ``torch.amp.GradScaler`` API for Flax training loops."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxscale import _leaves, _validation
+from jaxscale._iteration import Iteration, OptimizerRecord, Stage
+from jaxscale._optimizers import adapter_for
+from jaxscale._scaling import scale_outputs
+from jaxscale._state import ScalerState
+from jaxscale._state_dict import STATE_DICT_KEYS, parse_state_dict
+from jaxscale._unscale import unscale_and_check
+from jaxscale._update_rule import ScaleUpdateRule
+
+T = TypeVar("T")
+
+_NOT_SCALED_HINT = (
+    "This may indicate your script did not use scaler.scale(loss or outputs) "
+    "earlier in the iteration."
+)
+_ACCELERATORS = {"cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
+class ScalerVariable(nnx.Variable):
+    """The dynamic state of a :class:`GradScaler`: its scale and growth tracker."""
+
+
+def _device_kind(device: Any) -> str:
+    if device is None:
+        return str(jax.default_backend())
+    if not isinstance(device, str):
+        raise TypeError(
+            f"device must be a string such as 'cpu' or 'cuda', got {type(device).__name__}"
+        )
+    kind = device.split(":")[0].lower()
+    if kind != "cpu" and kind not in _ACCELERATORS:
+        raise ValueError(f"device must be 'cpu', 'cuda', 'gpu' or 'tpu', got {device!r}")
+    return kind
+
+
+def _backend_available(platform: str) -> bool:
+    try:
+        return bool(jax.devices(platform))
+    except RuntimeError:
+        return False
+
+
+def _is_traced(value: Any) -> bool:
+    return isinstance(value, jax.core.Tracer)
+
+
+def _when_enabled(default: Callable[..., Any]) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Run the method only when the scaler is enabled; otherwise return ``default(*args)``."""
+
+    def decorate(method: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(method)
+        def wrapper(self: GradScaler, *args: Any, **kwargs: Any) -> Any:
+            if not self._enabled:
+                return default(self, *args, **kwargs)
+            return method(self, *args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+class GradScaler(nnx.Pytree):
+    """Dynamic loss scaling with the API and behaviour of ``torch.amp.GradScaler``.
+
+    * ``scaler.scale(loss)`` multiplies a loss (or a tree of outputs) by the scale;
+    * ``scaler.unscale_(optimizer, grads)`` returns the unscaled gradients and
+      records whether any was inf/NaN (optional: for clipping or inspection);
+    * ``scaler.step(optimizer, ...)`` unscales (unless ``unscale_`` ran), then runs
+      the optimizer's update, or skips it when the gradients were not finite;
+    * ``scaler.update()`` backs the scale off if any optimizer's step was skipped,
+      or grows it after ``growth_interval`` consecutive finite iterations.
+
+    The scale and growth tracker are :class:`ScalerVariable` arrays, so the scaler
+    can be an argument of ``nnx.jit`` (updated in place) or of ``jax.jit`` (return
+    it), and nothing in ``scale``/``unscale_``/``step``/``update`` waits on the host.
+    The per-optimizer stages that PyTorch tracks between updates are Python state,
+    checked at trace time: misuse raises PyTorch's errors before anything changes.
+    Call ``scale``, ``unscale_``, ``step`` and ``update`` of one iteration in the
+    same traced function (or all eagerly).
+
+    ``step`` drives a ``flax.nnx.Optimizer`` (``scaler.step(optimizer, model, grads)``),
+    a Linen ``TrainState`` (``state = scaler.step(state, grads=grads)``) or an Optax
+    transformation (``updates, opt_state = scaler.step(tx, grads, opt_state, params)``).
+
+    Args:
+      device: ``None`` follows JAX's default backend; ``"cpu"`` works everywhere;
+        ``"cuda"``/``"gpu"`` (or ``"tpu"``) without such a backend warns and
+        disables the scaler, as PyTorch does for ``"cuda"``.
+      init_scale: initial scale (positive, finite in float32).
+      growth_factor: multiplies the scale after ``growth_interval`` finite steps.
+      backoff_factor: multiplies the scale after a step with inf/NaN gradients.
+      growth_interval: consecutive finite iterations before growth.
+      enabled: if False, ``scale``/``unscale_``/``update`` do nothing, ``step``
+        runs the optimizer's update as is, and ``get_scale()`` is 1.0.
+
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import jaxscale
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    >>> scaler = jaxscale.GradScaler(init_scale=1024.0)
+    >>> @nnx.jit
+    ... def train_step(model, optimizer, scaler, x, y):
+    ...     def loss_fn(model):
+    ...         return scaler.scale(jnp.mean((model(x) - y) ** 2))
+    ...     grads = nnx.grad(loss_fn)(model)
+    ...     scaler.step(optimizer, model, grads)
+    ...     scaler.update()
+    >>> train_step(model, optimizer, scaler, jnp.ones((4, 2)), jnp.zeros((4, 1)))
+    >>> scaler.get_scale()
+    1024.0
+    """
+
+    def __init__(
+        self,
+        device: str | None = None,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__} {enabled!r}")
+        platform = _ACCELERATORS.get(_device_kind(device))
+        if enabled and platform is not None and not _backend_available(platform):
+            name = "CUDA" if platform == "gpu" else platform.upper()
+            warnings.warn(
+                f"jaxscale.GradScaler is enabled, but {name} is not available.  Disabling.",
+                stacklevel=2,
+            )
+            enabled = False
+        self._enabled = enabled
+        self._iteration = Iteration()
+        if not enabled:
+            return
+        self._rule = _pytorch_checked_rule(growth_factor, backoff_factor, growth_interval)
+        scale = _validation.positive_float32("init_scale", init_scale)
+        self._scale = ScalerVariable(jnp.asarray(scale, jnp.float32))
+        self._growth_tracker = ScalerVariable(jnp.zeros((), jnp.int32))
+
+    # -- the training-loop API --------------------------------------------------------
+
+    @_when_enabled(lambda self, outputs: outputs)
+    def scale(self, outputs: T) -> T:
+        """Multiply ``outputs`` (an array or a tree of arrays) by the scale.
+
+        Returns the same structure, each floating leaf in its own dtype (the product
+        is formed in float32; compute the loss in float32). Disabled: ``outputs``.
+        """
+        scaled = scale_outputs(outputs, self._scale[...])
+        self._iteration.scale_called = True
+        return scaled
+
+    @_when_enabled(lambda self, optimizer, grads: grads)
+    def unscale_(self, optimizer: Any, grads: T) -> T:
+        """Return ``grads`` divided by the scale, and record inf/NaN for ``optimizer``.
+
+        Call it at most once per optimizer per iteration, before ``step``, when you
+        need the true gradients (clipping, logging). ``step`` then uses the
+        ``found_inf`` recorded here and the gradients you pass it as they are.
+        Arrays are immutable, so unlike PyTorch the unscaled gradients are returned.
+        """
+        self._check_scale_called("unscale_")
+        record = self._iteration.record(optimizer)
+        if record.stage is Stage.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        if record.stage is Stage.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        unscaled, found_inf = self._unscale(grads)
+        self._iteration.store(optimizer, OptimizerRecord(Stage.UNSCALED, found_inf))
+        return unscaled
+
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless ``unscale_`` ran) and run the optimizer's update, unless inf/NaN.
+
+        The update is traced either way; a skipped step leaves the parameters and
+        the optimizer state exactly as they were. Returns what the optimizer's
+        update returns: the updates of an ``nnx.Optimizer`` (``-0.0`` when skipped),
+        the new or unchanged ``TrainState``, or Optax's ``(updates, opt_state)``.
+        """
+        adapter = adapter_for(optimizer)
+        if not self._enabled:
+            return adapter.step(optimizer, args, kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_called("step")
+        record = self._iteration.record(optimizer)
+        if record.stage is Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        found_inf = record.found_inf
+        if record.stage is Stage.READY:
+            unscaled, found_inf = self._unscale(adapter.grads(args, kwargs))
+            args, kwargs = adapter.with_grads(args, kwargs, unscaled)
+        if found_inf is None:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        result = adapter.step_unless(found_inf, optimizer, args, kwargs)
+        self._iteration.store(optimizer, OptimizerRecord(Stage.STEPPED, found_inf))
+        return result
+
+    @_when_enabled(lambda self, new_scale=None: None)
+    def update(self, new_scale: Any = None) -> None:
+        """Update the scale for the next iteration, and clear the per-optimizer records.
+
+        Backs off once if any optimizer's gradients held inf/NaN this iteration,
+        else grows after ``growth_interval`` consecutive finite iterations.
+        ``new_scale`` (a float, or an array with one element) sets the scale instead.
+        """
+        self._check_scale_called("update")
+        if new_scale is not None:
+            self._scale[...] = _as_new_scale(new_scale)
+        else:
+            found_infs = [
+                r.found_inf for r in self._iteration.optimizers.values() if r.found_inf is not None
+            ]
+            if not found_infs and self._iteration.dropped_stale:
+                self._iteration.dropped_stale = False  # explained once
+                raise RuntimeError(
+                    "No inf checks were recorded prior to update() in this trace: unscale_() or "
+                    "step() last ran in another traced function, which returned without calling "
+                    "update(). Call scale, unscale_, step and update of one iteration in the same "
+                    "jitted function, or all outside jit."
+                )
+            if not found_infs:
+                raise AssertionError("No inf checks were recorded prior to update.")
+            state = self._rule.apply(
+                ScalerState(self._scale[...], self._growth_tracker[...], jnp.zeros((), jnp.int32)),
+                functools.reduce(operator.or_, found_infs),
+            )
+            self._scale[...] = state.scale
+            self._growth_tracker[...] = state.growth_tracker
+        self._iteration.clear()
+
+    # -- getters and setters ------------------------------------------------------------
+
+    @_when_enabled(lambda self: 1.0)
+    def get_scale(self) -> Any:
+        """The scale: a Python float, or a traced array inside ``jit``; 1.0 when disabled."""
+        scale = self._scale[...]
+        return scale if _is_traced(scale) else float(scale)
+
+    def get_growth_factor(self) -> float:
+        return self._rule.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._rule = dataclasses.replace(self._rule, growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self._rule.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._rule = dataclasses.replace(self._rule, backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self._rule.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._rule = dataclasses.replace(self._rule, growth_interval=new_interval)
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    @_when_enabled(lambda self: 0)
+    def _get_growth_tracker(self) -> Any:
+        tracker = self._growth_tracker[...]
+        return tracker if _is_traced(tracker) else int(tracker)
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    @_when_enabled(lambda self: {})
+    def state_dict(self) -> dict[str, Any]:
+        """PyTorch's state dict: ``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval`` and ``_growth_tracker`` as Python numbers; ``{}`` when disabled.
+
+        Call it after ``update()``, outside ``jit``.
+        """
+        values = [
+            self.get_scale(),
+            self._rule.growth_factor,
+            self._rule.backoff_factor,
+            self._rule.growth_interval,
+            self._get_growth_tracker(),
+        ]
+        return dict(zip(STATE_DICT_KEYS, values, strict=True))
+
+    @_when_enabled(lambda self, state_dict: None)
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict` or from ``torch.amp.GradScaler.state_dict()``.
+
+        Every entry is validated before any is applied: a rejected dict changes nothing.
+        """
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved "
+                "from a disabled instance of GradScaler."
+            )
+        parsed = parse_state_dict(state_dict)
+        rule = dataclasses.replace(
+            self._rule,
+            growth_factor=parsed.growth_factor,
+            backoff_factor=parsed.backoff_factor,
+            growth_interval=parsed.growth_interval,
+        )
+        self._rule = rule
+        self._scale[...] = jnp.asarray(parsed.scale, jnp.float32)
+        self._growth_tracker[...] = jnp.asarray(parsed.growth_tracker, jnp.int32)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        if self._enabled:
+            if self._iteration.optimizers:
+                raise AssertionError(
+                    "A GradScaler instance may only be pickled at the beginning "
+                    "of an iteration, or at the end after scaler.update()."
+                )
+            # As in PyTorch, an unpickled scaler starts as if scale() was never called.
+            state["_iteration"] = Iteration()
+        return state
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _check_scale_called(self, funcname: str) -> None:
+        if not self._iteration.scale_called:
+            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + _NOT_SCALED_HINT)
+
+    def _unscale(self, grads: Any) -> tuple[Any, jax.Array | None]:
+        """Unscaled grads and found_inf; found_inf is None when there is no floating leaf."""
+        unscaled, found_inf = unscale_and_check(grads, self._scale[...])
+        return unscaled, (found_inf if _leaves.floating_leaves(grads) else None)
+
+
+def _pytorch_checked_rule(
+    growth_factor: Any, backoff_factor: Any, growth_interval: Any
+) -> ScaleUpdateRule:
+    """Validate the factors with PyTorch's own messages first, then jaxscale's stricter checks."""
+    growth = _validation.as_float("growth_factor", growth_factor)
+    backoff = _validation.as_float("backoff_factor", backoff_factor)
+    if growth <= 1.0:
+        raise AssertionError("The growth factor must be > 1.0.")
+    if backoff >= 1.0:
+        raise AssertionError("The backoff factor must be < 1.0.")
+    return ScaleUpdateRule(
+        growth_factor=growth, backoff_factor=backoff, growth_interval=growth_interval
+    )
+
+
+def _as_new_scale(new_scale: Any) -> jax.Array:
+    """A float32 scalar from ``update(new_scale=...)``: a float or a one-element float array."""
+    reason = "new_scale should be a float or a 1-element float array."
+    if isinstance(new_scale, float):
+        return jnp.asarray(new_scale, jnp.float32)
+    if not isinstance(new_scale, (jax.Array, jax.core.Tracer)) or new_scale.size != 1:
+        raise AssertionError(reason + f" Got {type(new_scale).__name__}.")
+    if not jnp.issubdtype(new_scale.dtype, jnp.floating):
+        raise AssertionError(reason + f" Got dtype {new_scale.dtype}.")
+    return new_scale.reshape(()).astype(jnp.float32)
