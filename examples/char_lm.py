@@ -1,0 +1,328 @@
+"""A character-level transformer on Python's own documentation, trained in float16.
+
+The corpus is the text of Python's built-in help topics (``pydoc_data.topics``),
+which ships with every CPython, so nothing is downloaded. The model keeps its
+parameters in float32 and computes in float16 (``dtype=float16``,
+``param_dtype=float32``); layer norms, the softmax and the loss run in float32.
+
+Why loss scaling matters here: in data-parallel training the loss is the mean
+over the *global* batch, so every device back-propagates per-token gradients of
+1 / (global tokens) and sums its partial weight gradients with the other
+devices' afterwards. ``devices=D`` simulates one of D such devices: the loss is
+divided by D (the float16 backward pass then carries exactly that device's
+gradient magnitudes, where float16 underflows) and the unscaled float32
+gradient is multiplied by D, standing in for the all-reduce. In float32 the
+result equals ordinary single-device training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pydoc_data.topics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import jaxscale
+
+
+def corpus() -> str:
+    topics = pydoc_data.topics.topics
+    return "\n".join(topics[name] for name in sorted(topics))
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    train: np.ndarray
+    val: np.ndarray
+    chars: str
+
+    @classmethod
+    def load(cls, val_fraction: float = 0.1) -> Dataset:
+        text = corpus()
+        chars = "".join(sorted(set(text)))
+        index = {c: i for i, c in enumerate(chars)}
+        tokens = np.array([index[c] for c in text], np.int32)
+        split = int(len(tokens) * (1 - val_fraction))
+        return cls(tokens[:split], tokens[split:], chars)
+
+    def batches(
+        self, split: str, batch_size: int, seq_len: int, seed: int
+    ) -> Iterator[tuple[jax.Array, jax.Array]]:
+        data = self.train if split == "train" else self.val
+        rng = np.random.default_rng(seed)
+        while True:
+            starts = rng.integers(0, len(data) - seq_len - 1, batch_size)
+            x = np.stack([data[s : s + seq_len] for s in starts])
+            y = np.stack([data[s + 1 : s + seq_len + 1] for s in starts])
+            yield jnp.asarray(x), jnp.asarray(y)
+
+    def decode(self, tokens: np.ndarray) -> str:
+        return "".join(self.chars[t] for t in tokens)
+
+
+class CausalSelfAttention(nnx.Module):
+    def __init__(self, width: int, heads: int, dtype: Any, rngs: nnx.Rngs):
+        self.qkv = nnx.Linear(width, 3 * width, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.out = nnx.Linear(width, width, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.heads = heads
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        batch, length, width = x.shape
+        head_width = width // self.heads
+        qkv = self.qkv(x).reshape(batch, length, 3, self.heads, head_width)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(head_width)
+        causal = jnp.tril(jnp.ones((length, length), bool))[None, None]
+        weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1).astype(x.dtype)
+        return self.out(jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, length, width))
+
+
+class Block(nnx.Module):
+    def __init__(self, width: int, heads: int, dtype: Any, rngs: nnx.Rngs):
+        self.norm1 = nnx.LayerNorm(width, rngs=rngs)
+        self.attention = CausalSelfAttention(width, heads, dtype, rngs)
+        self.norm2 = nnx.LayerNorm(width, rngs=rngs)
+        self.up = nnx.Linear(width, 4 * width, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.down = nnx.Linear(4 * width, width, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # layer norms in float32, everything else in the compute dtype
+        x = x + self.attention(self.norm1(x.astype(jnp.float32)).astype(x.dtype))
+        return x + self.down(
+            jax.nn.gelu(self.up(self.norm2(x.astype(jnp.float32)).astype(x.dtype)))
+        )
+
+
+class CharTransformer(nnx.Module):
+    """A small GPT-style model with float32 parameters and ``dtype`` compute."""
+
+    def __init__(
+        self,
+        vocab: int,
+        seq_len: int,
+        width: int,
+        layers: int,
+        heads: int,
+        dtype: Any,
+        rngs: nnx.Rngs,
+    ):
+        self.embed = nnx.Embed(vocab, width, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.position = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq_len, width)))
+        self.blocks = nnx.List([Block(width, heads, dtype, rngs) for _ in range(layers)])
+        self.norm = nnx.LayerNorm(width, rngs=rngs)
+        self.head = nnx.Linear(width, vocab, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.dtype = dtype
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens) + self.position[...][: tokens.shape[1]].astype(self.dtype)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x.astype(jnp.float32)).astype(self.dtype))
+
+
+def loss_fn(model: CharTransformer, x: jax.Array, y: jax.Array) -> jax.Array:
+    """Mean next-character cross-entropy, computed in float32."""
+    logits = model(x).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    precision: str = "float16"  # "float32" or "float16"
+    scaler: bool = True
+    steps: int = 800
+    batch_size: int = 32
+    seq_len: int = 64
+    width: int = 128
+    layers: int = 2
+    heads: int = 4
+    learning_rate: float = 3e-3
+    devices: int = 256
+    init_scale: float = 2.0**16
+    growth_interval: int = 50
+    seed: int = 0
+
+    @property
+    def label(self) -> str:
+        if self.precision == "float32":
+            return "float32"
+        return "float16 + jaxscale" if self.scaler else "float16, no loss scaling"
+
+    @property
+    def dtype(self) -> Any:
+        return {"float32": jnp.float32, "float16": jnp.float16}[self.precision]
+
+
+def build(
+    config: Config, dataset: Dataset
+) -> tuple[CharTransformer, nnx.Optimizer, jaxscale.GradScaler]:
+    model = CharTransformer(
+        len(dataset.chars), config.seq_len, config.width, config.layers, config.heads, config.dtype,
+        nnx.Rngs(config.seed),
+    )  # fmt: skip
+    optimizer = nnx.Optimizer(model, optax.adam(config.learning_rate), wrt=nnx.Param)
+    scaler = jaxscale.GradScaler(
+        init_scale=config.init_scale,
+        growth_interval=config.growth_interval,
+        enabled=config.scaler and config.precision == "float16",
+    )
+    return model, optimizer, scaler
+
+
+def make_train_step(devices: int) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
+    @nnx.jit
+    def train_step(model, optimizer, scaler, x, y):
+        scale_before = scaler.get_scale()
+
+        def scaled_loss(model):
+            loss = loss_fn(model, x, y)
+            return scaler.scale(loss / devices), loss  # this device's share of the global mean
+
+        grads, loss = nnx.grad(scaled_loss, has_aux=True)(model)
+        grads = scaler.unscale_(optimizer, grads)
+        grads = jax.tree.map(lambda g: g * devices, grads)  # stands in for the all-reduce
+        scaler.step(optimizer, model, grads)
+        scaler.update()
+        scale_after = scaler.get_scale()
+        # the scale backs off exactly when the gradients held an inf or NaN: a skipped step
+        return (
+            loss,
+            jnp.asarray(scale_after, jnp.float32),
+            jnp.asarray(scale_after) < jnp.asarray(scale_before),
+        )
+
+    return train_step
+
+
+@nnx.jit
+def evaluate_batch(
+    model: CharTransformer, x: jax.Array, y: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    logits = model(x).astype(jnp.float32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return loss, jnp.mean(logits.argmax(-1) == y)
+
+
+def evaluate(
+    model: CharTransformer, dataset: Dataset, config: Config, batches: int = 20
+) -> tuple[float, float]:
+    """Validation loss and next-character accuracy on held-out text."""
+    stream = dataset.batches("val", 64, config.seq_len, seed=1234)
+    results = [evaluate_batch(model, *next(stream)) for _ in range(batches)]
+    return float(np.mean([r[0] for r in results])), float(np.mean([r[1] for r in results]))
+
+
+@dataclasses.dataclass
+class History:
+    loss: list[float] = dataclasses.field(default_factory=list)
+    scale: list[float] = dataclasses.field(default_factory=list)
+    skipped: list[bool] = dataclasses.field(default_factory=list)
+
+
+def train(
+    config: Config,
+    dataset: Dataset | None = None,
+    on_step: Callable[[int, History], None] | None = None,
+) -> tuple[CharTransformer, History, dict[str, float]]:
+    """Train one configuration; returns the model, its history and a summary."""
+    dataset = dataset or Dataset.load()
+    model, optimizer, scaler = build(config, dataset)
+    train_step = make_train_step(config.devices)
+    stream = dataset.batches("train", config.batch_size, config.seq_len, seed=config.seed)
+    history = History()
+    pending: list[tuple[jax.Array, jax.Array, jax.Array]] = []
+    start = time.perf_counter()
+    for step in range(config.steps):
+        pending.append(train_step(model, optimizer, scaler, *next(stream)))
+        # read results back in small groups: one host sync per group, not per step
+        if len(pending) == 10 or step == config.steps - 1:
+            for loss, scale, skipped in jax.device_get(pending):
+                history.loss.append(float(loss))
+                history.scale.append(float(scale))
+                history.skipped.append(bool(skipped))
+            pending = []
+            if on_step is not None:
+                on_step(step + 1, history)
+    seconds = time.perf_counter() - start
+    val_loss, val_accuracy = evaluate(model, dataset, config)
+    summary = {
+        "train_loss": float(np.mean(history.loss[-50:])),
+        "val_loss": val_loss,
+        "val_accuracy": val_accuracy,
+        "final_scale": history.scale[-1],
+        "skipped_steps": float(sum(history.skipped)),
+        "seconds": seconds,
+    }
+    return model, history, summary
+
+
+def sample(
+    model: CharTransformer, dataset: Dataset, prompt: str, length: int, seq_len: int, seed: int = 0
+) -> str:
+    """Sample ``length`` characters after ``prompt`` (temperature 0.8)."""
+    index = {c: i for i, c in enumerate(dataset.chars)}
+    tokens = [index[c] for c in prompt if c in index]
+    key = jax.random.key(seed)
+
+    @nnx.jit
+    def next_logits(model, window):
+        return model(window)[0, -1].astype(jnp.float32)
+
+    for _ in range(length):
+        window = np.array(tokens[-seq_len:], np.int32)
+        window = np.pad(window, (seq_len - len(window), 0))  # left padding keeps shapes fixed
+        key, subkey = jax.random.split(key)
+        tokens.append(
+            int(jax.random.categorical(subkey, next_logits(model, jnp.asarray(window)[None]) / 0.8))
+        )
+    return dataset.decode(np.array(tokens))
+
+
+def underflow_fractions(
+    model: CharTransformer, config: Config, dataset: Dataset, scale: float
+) -> dict[str, float]:
+    """The share of gradient elements that float16 flushes to zero, unscaled and scaled.
+
+    Builds float32 and float16 twins of ``model`` (same parameters) and takes the
+    gradient of this device's share of the loss (``loss / devices``) on one batch.
+    An element counts as underflowed when the float32 gradient is nonzero and the
+    float16 gradient is exactly zero.
+    """
+    x, y = next(dataset.batches("train", config.batch_size, config.seq_len, seed=999))
+    params = nnx.state(model, nnx.Param)
+
+    def grads_in(dtype: Any, loss_scale: float) -> list[np.ndarray]:
+        twin = CharTransformer(
+            len(dataset.chars),
+            config.seq_len,
+            config.width,
+            config.layers,
+            config.heads,
+            dtype,
+            nnx.Rngs(0),
+        )
+        nnx.update(twin, params)
+        grads = nnx.grad(lambda m: loss_fn(m, x, y) / config.devices * loss_scale)(twin)
+        return [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+    reference = grads_in(jnp.float32, 1.0)
+    nonzero = sum(int((g != 0).sum()) for g in reference)
+
+    def fraction(grads: list[np.ndarray]) -> float:
+        flushed = sum(
+            int(((r != 0) & (g == 0)).sum()) for r, g in zip(reference, grads, strict=True)
+        )
+        return flushed / nonzero
+
+    return {
+        "underflow_unscaled": fraction(grads_in(jnp.float16, 1.0)),
+        "underflow_scaled": fraction(grads_in(jnp.float16, scale)),
+    }

@@ -1,0 +1,35 @@
+"""The notebooks run top to bottom, and are committed with their outputs."""
+
+import pathlib
+
+import nbclient
+import nbformat
+import pytest
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def test_the_notebooks_exist():
+    assert [p.stem for p in NOTEBOOKS] == ["porting_pytorch_amp", "quickstart", "why_loss_scaling"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_with_outputs(path):
+    notebook = nbformat.read(path, as_version=4)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert code
+    assert all(cell.execution_count is not None for cell in code)
+    assert not any(output.output_type == "error" for cell in code for output in cell.outputs)
+    assert any("image/png" in output.get("data", {}) for cell in code for output in cell.outputs)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_executes(path):
+    notebook = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(
+        notebook,
+        timeout=600,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+    )
+    client.execute()  # raises CellExecutionError on any failing cell
