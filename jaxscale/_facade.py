@@ -14,12 +14,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxscale import _leaves, _validation
+from jaxscale._finite import all_finite
 from jaxscale._iteration import Iteration, OptimizerRecord, Stage
 from jaxscale._optimizers import adapter_for
 from jaxscale._scaling import scale_outputs
 from jaxscale._state import ScalerState
 from jaxscale._state_dict import STATE_DICT_KEYS, parse_state_dict
-from jaxscale._unscale import unscale_and_check
+from jaxscale._unscale import inverse_scale, unscale, unscale_and_check
 from jaxscale._update_rule import ScaleUpdateRule
 
 T = TypeVar("T")
@@ -184,7 +185,8 @@ class GradScaler(nnx.Pytree):
             )
         if record.stage is Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        unscaled, found_inf = self._unscale(grads)
+        unscaled, _ = unscale_and_check(grads, self._scale[...])
+        found_inf = self._found_inf(grads)
         self._iteration.store(optimizer, OptimizerRecord(Stage.UNSCALED, found_inf))
         return unscaled
 
@@ -205,13 +207,13 @@ class GradScaler(nnx.Pytree):
         record = self._iteration.record(optimizer)
         if record.stage is Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        found_inf = record.found_inf
+        found_inf, prepare = record.found_inf, _unchanged
         if record.stage is Stage.READY:
-            unscaled, found_inf = self._unscale(adapter.grads(args, kwargs))
-            args, kwargs = adapter.with_grads(args, kwargs, unscaled)
+            found_inf = self._found_inf(adapter.grads(args, kwargs))
+            prepare = functools.partial(unscale, inv_scale=inverse_scale(self._scale[...]))
         if found_inf is None:
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        result = adapter.step_unless(found_inf, optimizer, args, kwargs)
+        result = adapter.step_unless(found_inf, optimizer, args, kwargs, prepare)
         self._iteration.store(optimizer, OptimizerRecord(Stage.STEPPED, found_inf))
         return result
 
@@ -340,10 +342,16 @@ class GradScaler(nnx.Pytree):
         if not self._iteration.scale_called:
             raise AssertionError(f"Attempted {funcname} but _scale is None.  " + _NOT_SCALED_HINT)
 
-    def _unscale(self, grads: Any) -> tuple[Any, jax.Array | None]:
-        """Unscaled grads and found_inf; found_inf is None when there is no floating leaf."""
-        unscaled, found_inf = unscale_and_check(grads, self._scale[...])
-        return unscaled, (found_inf if _leaves.floating_leaves(grads) else None)
+    def _found_inf(self, grads: Any) -> jax.Array | None:
+        """Whether ``grads`` hold an inf or NaN; None when there is no floating leaf
+        (PyTorch records no check then)."""
+        if not _leaves.floating_leaves(grads):
+            return None
+        return jnp.logical_not(all_finite(grads))
+
+
+def _unchanged(grads: T) -> T:
+    return grads
 
 
 def _pytorch_checked_rule(

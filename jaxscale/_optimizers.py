@@ -7,13 +7,19 @@ says where its gradients are among ``step``'s arguments, how to run its update,
 and how to make a skipped update change nothing:
 
 * ``flax.nnx.Optimizer``: ``scaler.step(optimizer, model, grads, **kwargs)`` runs
-  ``optimizer.update(model, grads, **kwargs)`` and returns its updates; a skipped
-  step restores the model's and the optimizer's variables.
+  ``optimizer.update(model, grads, **kwargs)`` and returns its updates (``-0.0``
+  when skipped); a skipped step leaves the model's and the optimizer's variables
+  as they were.
 * ``flax.training.train_state.TrainState``: ``scaler.step(state, grads=grads)``
   returns ``state.apply_gradients(grads=grads)``, or ``state`` itself when skipped.
 * an Optax transformation: ``scaler.step(tx, grads, opt_state, params)`` returns
-  ``(updates, opt_state)`` as ``tx.update`` does; a skipped step returns ``-0.0``
-  updates and the unchanged ``opt_state``.
+  ``(params, opt_state)`` after ``tx.update`` and ``optax.apply_updates``, or the
+  unchanged pair when skipped. Like PyTorch's ``step``, it applies the update.
+
+Each update runs through :func:`run_unless`, a loop that runs it zero times or
+once: the parameters and optimizer state are updated in place, never copied. The
+gradients are prepared (unscaled) inside the loop, so the unscaling fuses into the
+optimizer's own pass instead of writing the unscaled gradients out first.
 """
 
 from __future__ import annotations
@@ -26,10 +32,11 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
-from jaxscale._skip import keep_unless, mask_updates
+from jaxscale._skip import run_unless, skipped_updates_like
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
+Prepare = Callable[[Any], Any]
 
 
 class Adapter:
@@ -40,26 +47,25 @@ class Adapter:
     def grads(self, args: Args, kwargs: Kwargs) -> Any:
         raise NotImplementedError
 
-    def with_grads(self, args: Args, kwargs: Kwargs, grads: Any) -> tuple[Args, Kwargs]:
-        raise NotImplementedError
-
     def step(self, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
         """Run the optimizer's update unconditionally."""
         raise NotImplementedError
 
-    def step_unless(self, found_inf: jax.Array, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
-        """Run the update, then undo its effect when ``found_inf`` is true."""
+    def step_unless(
+        self, found_inf: jax.Array, optimizer: Any, args: Args, kwargs: Kwargs, prepare: Prepare
+    ) -> Any:
+        """Run the update on ``prepare(grads)`` unless ``found_inf``; a skip changes nothing."""
         raise NotImplementedError
 
 
 def _usage_error(name: str, usage: str) -> TypeError:
-    return TypeError(f"scaler.step and scaler.unscale_ take a {name} as {usage}")
+    return TypeError(f"for {name}, call {usage}")
 
 
 class NnxOptimizerAdapter(Adapter):
     """``optimizer.update(model, grads, /, **kwargs)``: grads are the second positional argument."""
 
-    name = "flax.nnx.Optimizer"
+    name = "a flax.nnx.Optimizer"
     usage = "scaler.step(optimizer, model, grads)"
 
     def grads(self, args: Args, kwargs: Kwargs) -> Any:
@@ -67,29 +73,33 @@ class NnxOptimizerAdapter(Adapter):
             raise _usage_error(self.name, self.usage)
         return args[1]
 
-    def with_grads(self, args: Args, kwargs: Kwargs, grads: Any) -> tuple[Args, Kwargs]:
-        return (args[0], grads, *args[2:]), kwargs
-
     def step(self, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
         return optimizer.update(*args, **kwargs)
 
-    def step_unless(self, found_inf: jax.Array, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
-        model = args[0]
-        # as_pure copies the arrays out: nnx.state alone would hold the Variables
-        # themselves, which the update then changes in place.
-        before = nnx.as_pure((nnx.state(model), nnx.state(optimizer)))
-        updates = self.step(optimizer, args, kwargs)
-        after = nnx.as_pure((nnx.state(model), nnx.state(optimizer)))
-        kept_model, kept_optimizer = keep_unless(found_inf, before, after)
-        nnx.update(model, kept_model)
-        nnx.update(optimizer, kept_optimizer)
-        return mask_updates(found_inf, updates)
+    def step_unless(
+        self, found_inf: jax.Array, optimizer: Any, args: Args, kwargs: Kwargs, prepare: Prepare
+    ) -> Any:
+        model, grads = args[0], args[1]
+        graphdef, state = nnx.split((model, optimizer))
+        # The updates leave the loop too, starting as the -0.0 of a skipped step; when
+        # the caller ignores them XLA drops them and never materialises them.
+        updates = skipped_updates_like(nnx.as_pure(nnx.state(grads, optimizer.wrt)))
+
+        def update(carry: tuple[Any, Any]) -> tuple[Any, Any]:
+            state, _ = carry
+            model, optimizer = nnx.merge(graphdef, state)
+            updates = optimizer.update(model, prepare(grads), **kwargs)
+            return nnx.state((model, optimizer)), updates
+
+        state, updates = run_unless(found_inf, update, (state, updates))
+        nnx.update((model, optimizer), state)
+        return updates
 
 
 class TrainStateAdapter(Adapter):
     """``state.apply_gradients(*, grads, **kwargs)``: grads are a keyword argument."""
 
-    name = "flax TrainState"
+    name = "a flax TrainState"
     usage = "state = scaler.step(state, grads=grads)"
 
     def grads(self, args: Args, kwargs: Kwargs) -> Any:
@@ -97,36 +107,46 @@ class TrainStateAdapter(Adapter):
             raise _usage_error(self.name, self.usage)
         return kwargs["grads"]
 
-    def with_grads(self, args: Args, kwargs: Kwargs, grads: Any) -> tuple[Args, Kwargs]:
-        return args, {**kwargs, "grads": grads}
-
     def step(self, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
         return optimizer.apply_gradients(*args, **kwargs)
 
-    def step_unless(self, found_inf: jax.Array, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
-        return keep_unless(found_inf, optimizer, self.step(optimizer, args, kwargs))
+    def step_unless(
+        self, found_inf: jax.Array, optimizer: Any, args: Args, kwargs: Kwargs, prepare: Prepare
+    ) -> Any:
+        def update(state: Any) -> Any:
+            return self.step(state, args, {**kwargs, "grads": prepare(kwargs["grads"])})
+
+        return run_unless(found_inf, update, optimizer)
 
 
 class OptaxAdapter(Adapter):
-    """``tx.update(updates, state, params=None, **extra_args)``: grads come first."""
+    """``tx.update(updates, state, params, **extra_args)`` then ``optax.apply_updates``."""
 
-    name = "optax GradientTransformation"
-    usage = "updates, opt_state = scaler.step(tx, grads, opt_state, params)"
+    name = "an optax GradientTransformation"
+    usage = "params, opt_state = scaler.step(tx, grads, opt_state, params)"
 
     def grads(self, args: Args, kwargs: Kwargs) -> Any:
-        if len(args) < 2:
+        if len(args) != 3:
             raise _usage_error(self.name, self.usage)
         return args[0]
 
-    def with_grads(self, args: Args, kwargs: Kwargs, grads: Any) -> tuple[Args, Kwargs]:
-        return (grads, *args[1:]), kwargs
-
     def step(self, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
-        return optimizer.update(*args, **kwargs)
+        if len(args) != 3:
+            raise _usage_error(self.name, self.usage)
+        grads, opt_state, params = args
+        updates, opt_state = optimizer.update(grads, opt_state, params, **kwargs)
+        return optax.apply_updates(params, updates), opt_state
 
-    def step_unless(self, found_inf: jax.Array, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
-        updates, new_state = self.step(optimizer, args, kwargs)
-        return mask_updates(found_inf, updates), keep_unless(found_inf, args[1], new_state)
+    def step_unless(
+        self, found_inf: jax.Array, optimizer: Any, args: Args, kwargs: Kwargs, prepare: Prepare
+    ) -> Any:
+        grads, opt_state, params = args
+
+        def update(carry: tuple[Any, Any]) -> tuple[Any, Any]:
+            params, opt_state = carry
+            return self.step(optimizer, (prepare(grads), opt_state, params), kwargs)
+
+        return run_unless(found_inf, update, (params, opt_state))
 
 
 _ADAPTERS: list[tuple[Callable[[Any], bool], Adapter]] = [

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+
+T = TypeVar("T")
 
 
 def skipped_update(update: jax.Array) -> jax.Array:
@@ -28,3 +32,69 @@ def mask_updates(found_inf: jax.Array, updates: Any) -> Any:
 def keep_unless(found_inf: jax.Array, before: Any, after: Any) -> Any:
     """``before`` when ``found_inf`` (the step is skipped), else ``after``, leaf by leaf."""
     return jax.tree.map(lambda old, new: jnp.where(found_inf, old, new), before, after)
+
+
+def skip_by_select(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
+    """Run ``fn`` and select ``carry`` back where ``found_inf``: pure dataflow, no branch."""
+    return keep_unless(found_inf, carry, fn(carry))
+
+
+def skip_by_loop(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
+    """Run ``fn`` inside a ``lax.while_loop`` that runs it zero times or once.
+
+    XLA updates a loop's carry in place. When ``fn`` changes the carry's type
+    (under ``shard_map`` an update computed from per-device gradients turns a
+    replicated carry into a per-device one) a loop is impossible, and this falls
+    back to :func:`skip_by_select`.
+    """
+
+    def body(state: tuple[jax.Array, T]) -> tuple[jax.Array, T]:
+        _, current = state
+        return jnp.asarray(False), fn(current)
+
+    initial = (jnp.logical_not(found_inf), carry)
+    try:
+        _, result = lax.while_loop(lambda state: state[0], body, initial)
+    except TypeError as error:
+        if "carry input and carry output must have equal types" not in str(error):
+            raise
+        return skip_by_select(found_inf, fn, carry)
+    return result
+
+
+def run_unless(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
+    """``fn(carry)`` when ``found_inf`` is false; ``carry`` itself, untouched, when it is true.
+
+    ``fn`` must return a carry of the same structure, shapes and dtypes. How the
+    skip is made depends on where it runs, chosen when XLA compiles:
+
+    * CPU and TPU: :func:`skip_by_loop`. XLA updates the loop's carry in place:
+      donated parameters and optimizer state are neither copied nor rewritten, and
+      a skipped step does none of ``fn``'s work. (With a select, XLA copies donated
+      buffers that ``fn`` reads and the select overwrites.)
+    * elsewhere (GPU): :func:`skip_by_select`. Pure dataflow: a loop or conditional
+      would copy its predicate to the host and wait for it, a host synchronisation
+      every step.
+
+    Outside ``jit`` ``found_inf`` is a concrete array and a Python branch decides:
+    eager execution already waits for every operation, and a loop would compile
+    anew on every call (its body captures the call's arrays as constants).
+    """
+    if not isinstance(found_inf, jax.core.Tracer):
+        return carry if bool(found_inf) else fn(carry)
+
+    def loop(found_inf: jax.Array, carry: T) -> T:
+        return skip_by_loop(found_inf, fn, carry)
+
+    def select(found_inf: jax.Array, carry: T) -> T:
+        return skip_by_select(found_inf, fn, carry)
+
+    return lax.platform_dependent(found_inf, carry, cpu=loop, tpu=loop, default=select)
+
+
+def skipped_updates_like(updates: Any) -> Any:
+    """A tree of :func:`skipped_update` values with the structure, shapes and dtypes of ``updates``.
+
+    ``updates`` may hold ``jax.ShapeDtypeStruct`` leaves (from ``jax.eval_shape``).
+    """
+    return jax.tree.map(lambda u: skipped_update(jnp.zeros(u.shape, u.dtype)), updates)

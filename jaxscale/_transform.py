@@ -11,9 +11,10 @@ import optax
 from jax import lax
 
 from jaxscale import _validation
-from jaxscale._skip import keep_unless, mask_updates
+from jaxscale._finite import all_finite
+from jaxscale._skip import run_unless, skipped_updates_like
 from jaxscale._state import ScalerState, init_scaler_state
-from jaxscale._unscale import unscale_and_check
+from jaxscale._unscale import inverse_scale, unscale
 from jaxscale._update_rule import ScaleUpdateRule
 
 _INT32_MAX = 2**31 - 1
@@ -71,7 +72,9 @@ def grad_scaler(
        and everything else inside ``inner`` sees the true gradients;
     3. when not, emits zero updates (``-0.0``, so parameters stay bitwise equal)
        and keeps ``inner``'s state exactly as it was: the step is skipped, like
-       PyTorch not calling ``optimizer.step()``;
+       PyTorch not calling ``optimizer.step()``. Inside ``jit`` the inner update
+       sits in a loop that runs it zero times or once, so a skip does no work and
+       the state is updated in place, never copied;
     4. updates the scale by PyTorch's rule (:func:`update_scale`).
 
     All of it runs inside the caller's ``jit``: no host synchronisation, and no
@@ -155,13 +158,19 @@ def grad_scaler(
                 "this grad_scaler is enabled but was given the state of a disabled one "
                 "(built with enabled=False); initialise the state with this transform's init"
             )
-        unscaled, found_inf = unscale_and_check(updates, state.scaler.scale)
-        found_inf = _any_over_axis(found_inf, axis_name)
-        stepped_updates, stepped_inner_state = inner.update(
-            unscaled, state.inner_state, params, **extra_args
+        found_inf = _any_over_axis(jnp.logical_not(all_finite(updates)), axis_name)
+        inv_scale = inverse_scale(state.scaler.scale)
+
+        def inner_step(carry: tuple[optax.Updates, Any]) -> tuple[optax.Updates, Any]:
+            # unscaling here, inside the loop, fuses it into inner's own pass
+            return inner.update(unscale(updates, inv_scale), carry[1], params, **extra_args)
+
+        # The inner update runs zero times or once, in place: a skipped step keeps
+        # the -0.0 updates it starts from and the inner state exactly as it was.
+        updates_shape, _ = jax.eval_shape(inner_step, (None, state.inner_state))
+        new_updates, new_inner_state = run_unless(
+            found_inf, inner_step, (skipped_updates_like(updates_shape), state.inner_state)
         )
-        new_updates = mask_updates(found_inf, stepped_updates)
-        new_inner_state = keep_unless(found_inf, state.inner_state, stepped_inner_state)
         scaler = rule.apply(state.scaler, found_inf) if dynamic else state.scaler
         skipped = state.skipped_steps
         skipped = jnp.where(found_inf & (skipped < _INT32_MAX), skipped + 1, skipped)

@@ -289,16 +289,20 @@ def test_unsupported_optimizer_is_named():
 @pytest.mark.parametrize(
     ("optimizer", "args", "message"),
     [
-        ("nnx", ("model",), r"take a flax.nnx.Optimizer as scaler.step\(optimizer, model, grads\)"),
+        (
+            "nnx",
+            ("model",),
+            r"for a flax.nnx.Optimizer, call scaler.step\(optimizer, model, grads\)",
+        ),
         (
             "trainstate",
             ("grads",),
-            r"take a flax TrainState as state = scaler.step\(state, grads=grads\)",
+            r"for a flax TrainState, call state = scaler.step\(state, grads=grads\)",
         ),
         (
             "optax",
             ("grads",),
-            r"take a optax GradientTransformation as updates, opt_state = scaler.step",
+            r"for an optax GradientTransformation, call params, opt_state = scaler.step",
         ),
     ],
 )
@@ -402,19 +406,27 @@ def test_linen_train_state(mode):
     assert scaler.get_scale() == 64.0
 
 
-def test_optax_triple():
-    tx = optax.sgd(0.5)
-    params = {"w": jnp.array([1.0, 2.0])}
-    opt_state = tx.init(params)
+@pytest.mark.parametrize("mode", ["eager", "jax.jit"])
+def test_optax_triple_applies_the_update_like_pytorch_step(mode):
+    tx = third_party.optimizer(optax.adam(0.5))
+    params = {"w": jnp.array([1.0, -0.0])}
     scaler = GradScaler(init_scale=4.0)
-    grads = jax.grad(lambda p: scaler.scale(jnp.sum(p["w"])))(params)
-    updates, opt_state = scaler.step(tx, grads, opt_state, params)
-    scaler.update()
-    np.testing.assert_array_equal(np.asarray(updates["w"]), [-0.5, -0.5])
-    grads = poisoned(jax.grad(lambda p: scaler.scale(jnp.sum(p["w"])))(params))
-    updates, _ = scaler.step(tx, grads, opt_state, params)
-    assert np.signbit(np.asarray(updates["w"])).all()
-    assert (np.asarray(updates["w"]) == 0).all()
+
+    def train_step(params, opt_state, scaler, poison):
+        grads = jax.grad(lambda p: scaler.scale(jnp.sum(p["w"])))(params)
+        grads = jax.tree.map(lambda g: jnp.where(poison, jnp.inf, g), grads)
+        params, opt_state = scaler.step(tx, grads, opt_state, params)
+        scaler.update()
+        return params, opt_state, scaler
+
+    step = jax.jit(train_step) if mode == "jax.jit" else train_step
+    stepped, opt_state, scaler = step(params, tx.init(params), scaler, jnp.asarray(False))
+    # Adam's first step is lr * sign(g), up to its float32 bias corrections
+    np.testing.assert_allclose(np.asarray(stepped["w"]), [0.5, -0.5], rtol=1e-5)
+    skipped, skipped_state, scaler = step(stepped, opt_state, scaler, jnp.asarray(True))
+    assert np.asarray(skipped["w"]).tobytes() == np.asarray(stepped["w"]).tobytes()
+    assert int(skipped_state[0].count) == 1
+    assert scaler.get_scale() == 2.0
 
 
 def test_unscale_then_step_uses_the_recorded_decision():
@@ -425,8 +437,8 @@ def test_unscale_then_step_uses_the_recorded_decision():
     grads = jax.grad(lambda p: scaler.scale(jnp.sum(p["w"])))(params)
     unscaled = scaler.unscale_(tx, grads)
     np.testing.assert_array_equal(np.asarray(unscaled["w"]), [1.0])
-    updates, _ = scaler.step(tx, {"w": jnp.array([jnp.inf])}, tx.init(params), params)
-    assert np.isinf(np.asarray(updates["w"])).all()
+    stepped, _ = scaler.step(tx, {"w": jnp.array([jnp.inf])}, tx.init(params), params)
+    assert np.isinf(np.asarray(stepped["w"])).all()
 
 
 def test_two_optimizers_skip_separately_and_back_off_once():
@@ -434,11 +446,11 @@ def test_two_optimizers_skip_separately_and_back_off_once():
     tx0, tx1 = optax.sgd(1.0), optax.sgd(1.0)
     p0, p1 = {"w": jnp.array([1.0])}, {"w": jnp.array([2.0])}
     g = jax.grad(lambda p: scaler.scale(jnp.sum(p["w"])))
-    u0, _ = scaler.step(tx0, g(p0), tx0.init(p0), p0)
-    u1, _ = scaler.step(tx1, poisoned(g(p1)), tx1.init(p1), p1)
+    new0, _ = scaler.step(tx0, g(p0), tx0.init(p0), p0)
+    new1, _ = scaler.step(tx1, poisoned(g(p1)), tx1.init(p1), p1)
     scaler.update()
-    assert float(u0["w"][0]) == -1.0
-    assert float(u1["w"][0]) == 0.0
+    assert float(new0["w"][0]) == 0.0  # stepped: 1 - 1
+    assert float(new1["w"][0]) == 2.0  # skipped
     assert scaler.get_scale() == 64.0
 
 
@@ -580,3 +592,16 @@ def test_pickling_at_iteration_boundaries():
     # as in PyTorch, the restored scaler starts as if scale() had not been called
     with pytest.raises(AssertionError, match="Attempted update but _scale is None"):
         restored.update()
+
+
+def test_nnx_jit_with_donated_model_optimizer_and_scaler():
+    scaler = GradScaler(init_scale=256.0, growth_interval=2)
+    model, optimizer = new_nnx()
+    step = nnx.jit(nnx_train_step, donate_argnums=(0, 1, 2))
+    history = []
+    for poison in [False, False, True, False]:
+        before = values(model)  # numpy copies: the donated arrays are consumed
+        step(model, optimizer, scaler, jnp.asarray(poison))
+        changed = not all(np.array_equal(a, b) for a, b in zip(values(model), before, strict=True))
+        history.append((scaler.get_scale(), changed, int(optimizer.step[...])))
+    assert history == [(256.0, True, 1), (512.0, True, 2), (256.0, False, 2), (256.0, True, 3)]

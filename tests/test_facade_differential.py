@@ -22,7 +22,6 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 import third_party
 import torch
@@ -106,8 +105,7 @@ class OptaxDriver:
         return self.tx
 
     def step(self, scaler, grads):
-        updates, self.opt_state = scaler.step(self.tx, grads, self.opt_state, self.params)
-        self.params = optax.apply_updates(self.params, updates)
+        self.params, self.opt_state = scaler.step(self.tx, grads, self.opt_state, self.params)
 
     def from_dict(self, grads):
         return grads

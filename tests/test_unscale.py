@@ -147,3 +147,23 @@ def test_scale_outputs_rounds_once_from_float32():
 def test_scale_outputs_rejects_non_floating(outputs, message):
     with pytest.raises(TypeError, match=message):
         scale_outputs(outputs, jnp.float32(2.0))
+
+
+@pytest.mark.parametrize(
+    "size", [2**15, 3 * 7 * 1000, 16411], ids=["2**15", "21000", "prime 16411"]
+)
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_large_float32_leaves_are_checked_at_every_position(size, bad):
+    # Large float32 leaves take the matrix-vector check on CPU (a prime size cannot
+    # be read as a matrix and takes the elementwise one).
+    leaf = jnp.asarray(np.random.default_rng(size).normal(size=size).astype(np.float32))
+    check = jax.jit(all_finite)
+    assert bool(check({"w": leaf}))
+    for position in [0, size // 2, size - 1]:
+        assert not bool(check({"w": leaf.at[position].set(bad)}))
+
+
+def test_large_finite_values_are_not_mistaken_for_overflow():
+    leaf = jnp.full(2**15, np.finfo(np.float32).max, jnp.float32)
+    assert bool(jax.jit(all_finite)(leaf))
+    assert bool(jax.jit(all_finite)(-leaf))

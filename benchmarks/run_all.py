@@ -1,0 +1,74 @@
+"""Run every benchmark and write the figures, with the machine, to a markdown file.
+
+    python -m benchmarks.run_all                    # CPU (PyTorch on the CPU too)
+    python -m benchmarks.run_all --torch cuda       # on a GPU machine
+
+Results go to ``benchmarks/results/<platform>-<device>.md``; copy the figures you
+trust into ``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import pathlib
+import re
+
+import jax
+
+from benchmarks import counts, optimizer_step, train_step, unscale_throughput
+from benchmarks.harness import machine, table
+
+
+def capture(fn, *args):
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        result = fn(*args)
+    return result, buffer.getvalue()
+
+
+def main(argv: list[str] | None = None) -> pathlib.Path:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--torch", choices=["cpu", "cuda", "none"], default="cpu")
+    parser.add_argument(
+        "--layouts", nargs="+", default=["10M/50", "10M/500", "100M/50", "100M/500"]
+    )
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args(argv)
+
+    info = machine()
+    sections = [
+        f"# jaxscale benchmarks, {datetime.date.today().isoformat()}",
+        "\n".join(f"- {key}: {value}" for key, value in info.items()),
+    ]
+
+    def emit(title: str, body: str) -> None:
+        sections.append(f"## {title}\n\n{body.strip()}")
+        print(f"\n## {title}\n\n{body.strip()}", flush=True)
+
+    layouts = optimizer_step.main(
+        ["--layouts", *args.layouts, "--repeats", str(args.repeats), "--torch", args.torch]
+    )
+    for layout, groups in layouts.items():
+        for group, results in groups.items():
+            emit(f"Optimizer step, {layout} parameters/leaves, {group}", table(results))
+    groups = train_step.main(["--repeats", str(args.repeats)])
+    for group, results in groups.items():
+        emit(f"Full train step (float16 transformer), {group}", table(results))
+    _, text = capture(unscale_throughput.main, ["--repeats", str(args.repeats)])
+    emit("unscale_and_check throughput", text)
+    _, text = capture(counts.main, [])
+    emit("Counts: host transfers and recompilations over 1,000 steps", text)
+
+    device = re.sub(r"[^A-Za-z0-9]+", "-", jax.devices()[0].device_kind).strip("-").lower()
+    out = pathlib.Path(__file__).parent / "results" / f"{jax.default_backend()}-{device}.md"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text("\n\n".join(sections) + "\n")
+    print(f"\nwritten: {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
