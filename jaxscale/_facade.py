@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import operator
 import warnings
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from jaxscale._optimizers import adapter_for
 from jaxscale._scaling import scale_outputs
 from jaxscale._state import ScalerState
 from jaxscale._state_dict import STATE_DICT_KEYS, parse_state_dict
+from jaxscale._transform import AxisName, any_over_axis
 from jaxscale._unscale import inverse_scale, unscale, unscale_and_check
 from jaxscale._update_rule import ScaleUpdateRule
 
@@ -108,6 +110,15 @@ class GradScaler(nnx.Pytree):
       growth_interval: consecutive finite iterations before growth.
       enabled: if False, ``scale``/``unscale_``/``update`` do nothing, ``step``
         runs the optimizer's update as is, and ``get_scale()`` is 1.0.
+      min_scale: keyword-only, not in PyTorch: a floor for backoff. Without it
+        (PyTorch's rule) an overflow storm halves the scale down to 0.0, after
+        which unscaling multiplies zero gradients by ``1/0`` and the parameters
+        become NaN, in PyTorch and here alike.
+      max_scale: keyword-only, not in PyTorch: a ceiling for growth.
+      axis_name: keyword-only: the mapped axis name (or names) under
+        ``shard_map``/``pmap`` over which the inf/NaN decision is shared, so that
+        every device skips and backs off alike. Not needed under ``jax.jit`` with
+        sharded arrays, where the check is global already.
 
     >>> import jax.numpy as jnp, optax
     >>> from flax import nnx
@@ -135,6 +146,10 @@ class GradScaler(nnx.Pytree):
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         enabled: bool = True,
+        *,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        axis_name: AxisName | None = None,
     ) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be a bool, got {type(enabled).__name__} {enabled!r}")
@@ -150,8 +165,13 @@ class GradScaler(nnx.Pytree):
         self._iteration = Iteration()
         if not enabled:
             return
-        self._rule = _pytorch_checked_rule(growth_factor, backoff_factor, growth_interval)
-        scale = _validation.positive_float32("init_scale", init_scale)
+        self._rule = _pytorch_checked_rule(
+            growth_factor, backoff_factor, growth_interval, min_scale, max_scale
+        )
+        self._axis_name = axis_name
+        scale = _validation.init_scale_within(
+            init_scale, self._rule.min_scale, self._rule.max_scale
+        )
         self._scale = ScalerVariable(jnp.asarray(scale, jnp.float32))
         self._growth_tracker = ScalerVariable(jnp.zeros((), jnp.int32))
 
@@ -204,12 +224,14 @@ class GradScaler(nnx.Pytree):
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale_called("step")
+        grads = adapter.grads(args, kwargs)
+        adapter.check_grads(optimizer, args, kwargs)
         record = self._iteration.record(optimizer)
         if record.stage is Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         found_inf, prepare = record.found_inf, _unchanged
         if record.stage is Stage.READY:
-            found_inf = self._found_inf(adapter.grads(args, kwargs))
+            found_inf = self._found_inf(grads)
             prepare = functools.partial(unscale, inv_scale=inverse_scale(self._scale[...]))
         if found_inf is None:
             raise AssertionError("No inf checks were recorded for this optimizer.")
@@ -227,7 +249,7 @@ class GradScaler(nnx.Pytree):
         """
         self._check_scale_called("update")
         if new_scale is not None:
-            self._scale[...] = _as_new_scale(new_scale)
+            self._scale[...] = _as_new_scale(new_scale, self._scale[...])
         else:
             found_infs = [
                 r.found_inf for r in self._iteration.optimizers.values() if r.found_inf is not None
@@ -347,7 +369,7 @@ class GradScaler(nnx.Pytree):
         (PyTorch records no check then)."""
         if not _leaves.floating_leaves(grads):
             return None
-        return jnp.logical_not(all_finite(grads))
+        return any_over_axis(jnp.logical_not(all_finite(grads)), self._axis_name)
 
 
 def _unchanged(grads: T) -> T:
@@ -355,7 +377,11 @@ def _unchanged(grads: T) -> T:
 
 
 def _pytorch_checked_rule(
-    growth_factor: Any, backoff_factor: Any, growth_interval: Any
+    growth_factor: Any,
+    backoff_factor: Any,
+    growth_interval: Any,
+    min_scale: Any = None,
+    max_scale: Any = None,
 ) -> ScaleUpdateRule:
     """Validate the factors with PyTorch's own messages first, then jaxscale's stricter checks."""
     growth = _validation.as_float("growth_factor", growth_factor)
@@ -365,17 +391,37 @@ def _pytorch_checked_rule(
     if backoff >= 1.0:
         raise AssertionError("The backoff factor must be < 1.0.")
     return ScaleUpdateRule(
-        growth_factor=growth, backoff_factor=backoff, growth_interval=growth_interval
+        growth_factor=growth,
+        backoff_factor=backoff,
+        growth_interval=growth_interval,
+        min_scale=min_scale,
+        max_scale=max_scale,
     )
 
 
-def _as_new_scale(new_scale: Any) -> jax.Array:
-    """A float32 scalar from ``update(new_scale=...)``: a float or a one-element float array."""
+def _as_new_scale(new_scale: Any, current: jax.Array) -> jax.Array:
+    """A float32 scalar from ``update(new_scale=...)``: a float or a one-element float array.
+
+    PyTorch's message for the wrong kind; beyond PyTorch, a concrete value must be
+    positive and finite in float32 (a NaN or zero scale would silently poison every
+    later step), and an array on another device is moved to the scale's device.
+    """
     reason = "new_scale should be a float or a 1-element float array."
     if isinstance(new_scale, float):
-        return jnp.asarray(new_scale, jnp.float32)
-    if not isinstance(new_scale, (jax.Array, jax.core.Tracer)) or new_scale.size != 1:
-        raise AssertionError(reason + f" Got {type(new_scale).__name__}.")
-    if not jnp.issubdtype(new_scale.dtype, jnp.floating):
-        raise AssertionError(reason + f" Got dtype {new_scale.dtype}.")
-    return new_scale.reshape(()).astype(jnp.float32)
+        value = jnp.asarray(new_scale, jnp.float32)
+    elif isinstance(new_scale, (jax.Array, jax.core.Tracer)):
+        if new_scale.size != 1:
+            raise AssertionError(reason + f" Got an array of shape {tuple(new_scale.shape)}.")
+        if not jnp.issubdtype(new_scale.dtype, jnp.floating):
+            raise AssertionError(reason + f" Got dtype {new_scale.dtype}.")
+        value = new_scale.reshape(()).astype(jnp.float32)
+    else:
+        raise AssertionError(reason + f" Got {type(new_scale).__name__} {new_scale!r}.")
+    if _is_traced(value):
+        return value  # traced: checked by the caller's own logic, not here
+    number = float(value)
+    if not (math.isfinite(number) and number > 0.0):
+        raise ValueError(f"new_scale must be positive and finite in float32, got {number!r}")
+    if not _is_traced(current):
+        value = jax.device_put(value, current.sharding)
+    return value

@@ -63,3 +63,31 @@ def floating_leaves(tree: Any) -> list[jax.Array]:
 
     map_floating(collect, tree)
     return found
+
+
+def require_matching(grads: Any, params: Any) -> None:
+    """Raise ``ValueError`` unless ``grads`` has the tree structure and shapes of ``params``.
+
+    Checked before a step so that a mismatch is reported by name, before anything
+    is traced or changed, rather than deep inside the optimizer.
+    """
+    grad_leaves = dict(jax.tree_util.tree_flatten_with_path(grads)[0])
+    param_leaves = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    missing = [jax.tree_util.keystr(k) for k in param_leaves if k not in grad_leaves]
+    extra = [jax.tree_util.keystr(k) for k in grad_leaves if k not in param_leaves]
+    if missing or extra:
+        problems = []
+        if missing:
+            problems.append(f"no gradient for parameter {', '.join(missing)}")
+        if extra:
+            problems.append(f"a gradient at {', '.join(extra)} with no parameter")
+        raise ValueError(
+            "the gradients do not match the parameters' tree structure: " + "; ".join(problems)
+        )
+    for path, grad in grad_leaves.items():
+        shape, expected = np.shape(grad), np.shape(param_leaves[path])
+        if shape != expected:
+            raise ValueError(
+                f"the gradient at {jax.tree_util.keystr(path)} has shape {shape}, "
+                f"but its parameter has shape {expected}"
+            )

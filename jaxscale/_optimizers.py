@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
+from jaxscale._leaves import require_matching
 from jaxscale._skip import run_unless, skipped_updates_like
 
 Args = tuple[Any, ...]
@@ -46,6 +47,14 @@ class Adapter:
 
     def grads(self, args: Args, kwargs: Kwargs) -> Any:
         raise NotImplementedError
+
+    def params(self, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
+        """The parameters the gradients must match."""
+        raise NotImplementedError
+
+    def check_grads(self, optimizer: Any, args: Args, kwargs: Kwargs) -> None:
+        """``ValueError`` unless the gradients match the parameters in structure and shapes."""
+        require_matching(self.grads(args, kwargs), self.params(optimizer, args, kwargs))
 
     def step(self, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
         """Run the optimizer's update unconditionally."""
@@ -72,6 +81,14 @@ class NnxOptimizerAdapter(Adapter):
         if len(args) < 2:
             raise _usage_error(self.name, self.usage)
         return args[1]
+
+    def params(self, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
+        return nnx.state(args[0], optimizer.wrt)
+
+    def check_grads(self, optimizer: Any, args: Args, kwargs: Kwargs) -> None:
+        grads = self.grads(args, kwargs)
+        params = self.params(optimizer, args, kwargs)
+        require_matching(nnx.as_pure(grads), nnx.as_pure(params))
 
     def step(self, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
         return optimizer.update(*args, **kwargs)
@@ -107,6 +124,9 @@ class TrainStateAdapter(Adapter):
             raise _usage_error(self.name, self.usage)
         return kwargs["grads"]
 
+    def params(self, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
+        return optimizer.params
+
     def step(self, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
         return optimizer.apply_gradients(*args, **kwargs)
 
@@ -129,6 +149,9 @@ class OptaxAdapter(Adapter):
         if len(args) != 3:
             raise _usage_error(self.name, self.usage)
         return args[0]
+
+    def params(self, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
+        return args[2]
 
     def step(self, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
         if len(args) != 3:

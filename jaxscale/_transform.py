@@ -12,6 +12,7 @@ from jax import lax
 
 from jaxscale import _validation
 from jaxscale._finite import all_finite
+from jaxscale._leaves import require_matching
 from jaxscale._skip import run_unless, skipped_updates_like
 from jaxscale._state import ScalerState, init_scaler_state
 from jaxscale._unscale import inverse_scale, unscale
@@ -41,7 +42,8 @@ class GradScalerState(NamedTuple):
     inner_state: Any
 
 
-def _any_over_axis(found_inf: jax.Array, axis_name: AxisName | None) -> jax.Array:
+def any_over_axis(found_inf: jax.Array, axis_name: AxisName | None) -> jax.Array:
+    """``found_inf`` or-ed over every device of ``axis_name`` (itself when None)."""
     if axis_name is None:
         return found_inf
     return lax.pmax(found_inf.astype(jnp.int32), axis_name) > 0
@@ -158,7 +160,9 @@ def grad_scaler(
                 "this grad_scaler is enabled but was given the state of a disabled one "
                 "(built with enabled=False); initialise the state with this transform's init"
             )
-        found_inf = _any_over_axis(jnp.logical_not(all_finite(updates)), axis_name)
+        if params is not None:
+            require_matching(updates, params)
+        found_inf = any_over_axis(jnp.logical_not(all_finite(updates)), axis_name)
         inv_scale = inverse_scale(state.scaler.scale)
 
         def inner_step(carry: tuple[optax.Updates, Any]) -> tuple[optax.Updates, Any]:

