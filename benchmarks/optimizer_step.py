@@ -52,18 +52,6 @@ def fresh(params: dict[str, jax.Array]) -> dict[str, jax.Array]:
 # -- JAX variants: each returns a factory of a Stepper ---------------------------------------------
 
 
-def plain_adam(params, grads):
-    tx = optax.adam(LEARNING_RATE)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, opt_state, grads):
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    p = fresh(params)
-    return JaxStepper(step, (p, tx.init(p)), (grads,))
-
-
 def wrapped_adam(wrap):
     def make(params, grads):
         tx = wrap(optax.adam(LEARNING_RATE))
@@ -77,6 +65,9 @@ def wrapped_adam(wrap):
         return JaxStepper(step, (p, tx.init(p)), (grads,))
 
     return make
+
+
+plain_adam = wrapped_adam(lambda tx: tx)
 
 
 def facade_optax_triple(params, grads):
@@ -122,6 +113,21 @@ def flax_dynamic_scale_recipe(params, grads):
     return JaxStepper(step, (p, tx.init(p), flax_dynamic_scale.DynamicScale()), (grads,))
 
 
+def jmp_masked_step(tx, params, opt_state, loss_scale, grads):
+    """jmp's recipe after the backward pass: unscale, check, adjust, update, select_tree."""
+    import jmp
+
+    grads = loss_scale.unscale(grads)
+    finite = jmp.all_finite(grads)
+    loss_scale = loss_scale.adjust(finite)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    new_params, new_opt_state = jmp.select_tree(
+        finite, (new_params, new_opt_state), (params, opt_state)
+    )
+    return new_params, new_opt_state, loss_scale
+
+
 def jmp_recipe(params, grads):
     import jmp
 
@@ -129,15 +135,7 @@ def jmp_recipe(params, grads):
 
     @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
     def step(params, opt_state, loss_scale, grads):
-        grads = loss_scale.unscale(grads)
-        finite = jmp.all_finite(grads)
-        loss_scale = loss_scale.adjust(finite)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        new_params, new_opt_state = jmp.select_tree(
-            finite, (new_params, new_opt_state), (params, opt_state)
-        )
-        return new_params, new_opt_state, loss_scale
+        return jmp_masked_step(tx, params, opt_state, loss_scale, grads)
 
     p = fresh(params)
     return JaxStepper(step, (p, tx.init(p), jmp.DynamicLossScale(jnp.float32(2.0**15))), (grads,))

@@ -24,6 +24,7 @@ from flax.training import dynamic_scale as flax_dynamic_scale
 
 import jaxscale
 from benchmarks.harness import JaxStepper, Result, Stepper, measure, table
+from benchmarks.optimizer_step import jmp_masked_step
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 import char_lm
@@ -123,15 +124,7 @@ def jmp_recipe(model, x, y):
     @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
     def step(params, opt_state, loss_scale, x, y):
         grads = jax.grad(lambda p: loss_scale.scale(loss(p, x, y)))(params)
-        grads = loss_scale.unscale(grads)
-        finite = jmp.all_finite(grads)
-        loss_scale = loss_scale.adjust(finite)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        new_params, new_opt_state = jmp.select_tree(
-            finite, (new_params, new_opt_state), (params, opt_state)
-        )
-        return new_params, new_opt_state, loss_scale
+        return jmp_masked_step(tx, params, opt_state, loss_scale, grads)
 
     return JaxStepper(
         step, (params, tx.init(params), jmp.DynamicLossScale(jnp.float32(2.0**15))), (x, y)

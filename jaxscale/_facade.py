@@ -418,7 +418,7 @@ def _as_new_scale(new_scale: Any, current: jax.Array) -> jax.Array:
     else:
         raise AssertionError(reason + f" Got {type(new_scale).__name__} {new_scale!r}.")
     if _is_traced(value):
-        return value  # traced: checked by the caller's own logic, not here
+        return value  # a traced value cannot be inspected: taken as it is
     number = float(value)
     if not (math.isfinite(number) and number > 0.0):
         raise ValueError(f"new_scale must be positive and finite in float32, got {number!r}")
