@@ -75,7 +75,7 @@ def facade_run() -> dict[str, int]:
         return (nnx.state((model, optimizer, scaler)),)
 
     flags = jax.device_put(jnp.arange(STEPS) % 7 == 6)
-    return run(step, (state,), flags, lambda s: nnx.merge(graphdef, s[0])[2]._scale[...])
+    return run(step, (state,), flags, lambda s: nnx.merge(graphdef, s[0])[2].get_scale())
 
 
 def run(step, state, flags, read_scale) -> dict[str, int]:

@@ -181,8 +181,6 @@ def make_train_step(devices: int) -> Callable[..., tuple[jax.Array, jax.Array, j
     # Donating the model, optimizer and scaler lets XLA update them in place.
     @nnx.jit(donate_argnums=(0, 1, 2))
     def train_step(model, optimizer, scaler, x, y):
-        scale_before = scaler.get_scale()
-
         def scaled_loss(model):
             loss = loss_fn(model, x, y)
             return scaler.scale(loss / devices), loss  # this device's share of the global mean
@@ -192,13 +190,8 @@ def make_train_step(devices: int) -> Callable[..., tuple[jax.Array, jax.Array, j
         grads = jax.tree.map(lambda g: g * devices, grads)  # stands in for the all-reduce
         scaler.step(optimizer, model, grads)
         scaler.update()
-        scale_after = scaler.get_scale()
-        # the scale backs off exactly when the gradients held an inf or NaN: a skipped step
-        return (
-            loss,
-            jnp.asarray(scale_after, jnp.float32),
-            jnp.asarray(scale_after) < jnp.asarray(scale_before),
-        )
+        # the scale for the next step, and whether this one was skipped (inf/NaN gradients)
+        return loss, jnp.asarray(scaler.get_scale(), jnp.float32), jnp.asarray(scaler.found_inf())
 
     return train_step
 

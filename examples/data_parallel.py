@@ -44,10 +44,9 @@ def train_step(model, optimizer, scaler, x, y):
         return scaler.scale(loss), loss
 
     grads, loss = nnx.grad(scaled_loss, has_aux=True)(model)
-    scale_before = scaler.get_scale()
     scaler.step(optimizer, model, grads)
     scaler.update()
-    return loss, scaler.get_scale(), scaler.get_scale() < scale_before
+    return loss, scaler.metrics()
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -73,14 +72,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"{len(devices)} devices ({devices[0].platform}), global batch {args.batch_size}")
     batches = dataset.batches("train", args.batch_size, config.seq_len, seed=0)
     progress = ProgressBar(args.steps)
-    skipped, loss = 0, float("nan")
+    loss = float("nan")
     for step in range(1, args.steps + 1):
         x, y = (jax.device_put(a, batch_sharding) for a in next(batches))
-        loss_array, scale, was_skipped = train_step(model, optimizer, scaler, x, y)
-        skipped += int(was_skipped)
-        if step % 10 == 0 or step == args.steps:
+        loss_array, metrics = train_step(model, optimizer, scaler, x, y)
+        if step % 10 == 0 or step == args.steps:  # reading values back waits for the step
             loss = float(loss_array)
-            text = f"loss {loss:.3f}  scale {float(scale):.0f}  skipped {skipped}"
+            text = (
+                f"loss {loss:.3f}  scale {float(metrics['scale']):.0f}  "
+                f"skipped {int(metrics['skipped_steps'])}"
+            )
             progress.update(step, text)
 
     # The scale and growth tracker: one replicated value, equal on every device.
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         len({np.asarray(shard.data).item() for shard in array.addressable_shards}) == 1
         for array in scaler_arrays
     )
+    skipped = scaler.skipped_steps()
     summary = {"loss": loss, "scale": scaler.get_scale(), "skipped": float(skipped)}
     print(
         f"final loss {loss:.4f}, scale {summary['scale']:.0f} "

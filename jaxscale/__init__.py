@@ -1,29 +1,40 @@
-"""jaxscale: dynamic loss scaling for float16 training in JAX, with PyTorch GradScaler semantics."""
+"""jaxscale: PyTorch's automatic mixed precision for JAX.
+
+Three layers, each usable on its own: :mod:`jaxscale.core` (pure functions on a
+:class:`ScalerState`), :mod:`jaxscale.transform` (the Optax transform
+:func:`grad_scaler`) and :mod:`jaxscale.facade` (PyTorch's :class:`GradScaler`
+for Flax loops).
+"""
 
 from typing import TYPE_CHECKING, Any
 
-from jaxscale._finite import all_finite as all_finite
-from jaxscale._lookup import found_inf as found_inf
-from jaxscale._lookup import get_scale as get_scale
-from jaxscale._lookup import scale as scale
-from jaxscale._lookup import skipped_steps as skipped_steps
-from jaxscale._scaling import scale_outputs as scale_outputs
-from jaxscale._state import ScalerState as ScalerState
-from jaxscale._state import init_scaler_state as init_scaler_state
-from jaxscale._transform import GradScalerState as GradScalerState
-from jaxscale._transform import grad_scaler as grad_scaler
-from jaxscale._unscale import unscale_and_check as unscale_and_check
-from jaxscale._update_rule import update_scale as update_scale
+from jaxscale.core import ScalerState as ScalerState
+from jaxscale.core import ScaleWarning as ScaleWarning
+from jaxscale.core import all_finite as all_finite
+from jaxscale.core import init_scaler_state as init_scaler_state
+from jaxscale.core import nonfinite_leaves as nonfinite_leaves
+from jaxscale.core import nonfinite_paths as nonfinite_paths
+from jaxscale.core import scale_outputs as scale_outputs
+from jaxscale.core import unscale_and_check as unscale_and_check
+from jaxscale.core import update_scale as update_scale
+from jaxscale.transform import GradScalerState as GradScalerState
+from jaxscale.transform import found_inf as found_inf
+from jaxscale.transform import get_scale as get_scale
+from jaxscale.transform import grad_scaler as grad_scaler
+from jaxscale.transform import metrics as metrics
+from jaxscale.transform import scale as scale
+from jaxscale.transform import skipped_steps as skipped_steps
 
 if TYPE_CHECKING:
-    from jaxscale._facade import GradScaler as GradScaler
-    from jaxscale._facade import ScalerVariable as ScalerVariable
+    from jaxscale.facade import GradScaler as GradScaler
+    from jaxscale.facade import ScalerVariable as ScalerVariable
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GradScaler",
     "GradScalerState",
+    "ScaleWarning",
     "ScalerState",
     "ScalerVariable",
     "__version__",
@@ -32,6 +43,9 @@ __all__ = [
     "get_scale",
     "grad_scaler",
     "init_scaler_state",
+    "metrics",
+    "nonfinite_leaves",
+    "nonfinite_paths",
     "scale",
     "scale_outputs",
     "skipped_steps",
@@ -39,14 +53,16 @@ __all__ = [
     "update_scale",
 ]
 
+_FACADE = ("GradScaler", "ScalerVariable")
+
 
 def __getattr__(name: str) -> Any:
     # The facade needs flax; importing it on first use keeps the core and the Optax
     # transform importable without flax.
-    if name in ("GradScaler", "ScalerVariable"):
-        from jaxscale import _facade
+    if name in _FACADE:
+        from jaxscale import facade
 
-        return getattr(_facade, name)
+        return getattr(facade, name)
     raise AttributeError(f"module 'jaxscale' has no attribute {name!r}")
 
 

@@ -111,7 +111,7 @@ def _same_empty_list(world: World, result: Any) -> None:
 
 def _moved_to_scale_device(world: World, result: Any) -> None:
     assert world.scaler.get_scale() == 8.0
-    assert world.scaler._scale[...].devices() == {jax.devices()[0]}
+    assert world.scaler._scaler_state.scale.devices() == {jax.devices()[0]}
 
 
 def _int_leaf_untouched(world: World, result: Any) -> None:

@@ -18,8 +18,8 @@ MODULES = sorted(
 
 
 def test_every_module_is_collected_and_examples_exist():
-    assert "jaxscale._transform" in MODULES
-    assert "jaxscale._update_rule" in MODULES
+    assert "jaxscale.transform._grad_scaler" in MODULES
+    assert "jaxscale.core._rule" in MODULES
     finder = doctest.DocTestFinder(exclude_empty=True)
     examples = sum(
         len(test.examples)

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxscale._rounding import decompose_factor, multiply_as_double
+from jaxscale.core import multiply_as_double
+from jaxscale.core._rounding import decompose_factor
 
 
 def reference(x: np.ndarray, factor: float) -> np.ndarray:
@@ -125,6 +126,15 @@ def test_eager_and_jit_agree():
     jitted = jax.jit(lambda v: multiply_as_double(v, 0.3))(jnp.float32(x))
     assert_bits_equal(eager, jitted)
     assert_bits_equal(eager, reference(np.array(x), 0.3))
+
+
+@pytest.mark.parametrize("factor", [0.3, 1.5, 1 / 3, 1e-30, 1e30])
+def test_the_eager_path_agrees_with_the_traced_emulation_bit_for_bit(factor):
+    # outside jit a concrete scale is multiplied in NumPy; inside, by integer emulation
+    rng = np.random.default_rng(11)
+    x = rng.integers(0, 2**32, 20_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = np.concatenate([x, x.view(np.uint32).__and__(0x807FFFFF).view(np.float32)])  # subnormals
+    assert_bits_equal(multiply_as_double(jnp.asarray(x), factor), batched(factor)(jnp.asarray(x)))
 
 
 def test_rejects_non_float32_input():

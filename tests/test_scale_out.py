@@ -99,7 +99,7 @@ def test_data_parallel_jit_one_poisoned_device_skips_everywhere(mesh, api):
             return params, (opt_state, scaler)
 
         def scale_of(state):
-            return state[1]._scale[...]
+            return state[1].metrics()["scale"]
 
     new_params, new_state = step(params, state, *data_parallel_batch(mesh, poison_row=11))
     assert bits(new_params) == bits(params)
@@ -135,7 +135,7 @@ def test_model_parallel_jit_a_nan_in_one_parameter_shard_skips_every_shard(mesh,
         def step(params, opt_state, scaler, grads):
             params, _ = scaler.step(tx, grads, opt_state, params)
             scaler.update()
-            return params, scaler._scale[...]
+            return params, scaler.get_scale()
 
         new_params, scale = step(params, tx.init(params), scaler, grads)
 
@@ -213,7 +213,7 @@ def test_shard_map_facade_without_pmean_still_skips_everywhere(mesh):
     def step(params, opt_state, scaler, grads):
         params, _ = scaler.step(tx, grads, opt_state, params)
         scaler.update()
-        return params, scaler._scale[...]
+        return params, scaler.get_scale()
 
     params = jnp.ones((DEVICES, 4))
     new_params, scale = step(params, tx.init(params[:1]), scaler, per_device_grads(2))
@@ -248,7 +248,7 @@ def test_pmap_shares_the_decision_with_axis_name(api):
         def step(params, opt_state, scaler, grads):
             params, _ = scaler.step(tx, grads, opt_state, params)
             scaler.update()
-            return params, scaler._scale[...]
+            return params, scaler.get_scale()
 
         new_params, scales = step(params, opt_state, scaler, grads)
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxscale._skip import run_unless, skip_by_loop, skip_by_select, skipped_updates_like
+from jaxscale.core._skip import run_unless, skip_by_loop, skip_by_select, skipped_updates_like
 
 CARRY = {"p": jnp.array([1.0, -0.0, 3.0]), "count": jnp.array(7, jnp.int32)}
 

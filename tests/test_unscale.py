@@ -7,7 +7,7 @@ import pytest
 import torch_reference
 
 from jaxscale import all_finite, scale_outputs, unscale_and_check
-from jaxscale._unscale import inverse_scale
+from jaxscale.core import inverse_scale
 
 MODES = ["eager", "jit"]
 

@@ -44,7 +44,7 @@ MODES = ["eager", "jit", "scan"]
 @pytest.mark.parametrize("mode", MODES)
 def test_pytorch_unit_test_numbers(mode):
     # PyTorch's test_grad_scaling_update_scale: growth 2, backoff 0.25, interval 2, from 4.0.
-    scales, trackers, _ = run(
+    scales, trackers, *_ = run(
         [0, 0, 1], 4.0, mode, growth_factor=2.0, backoff_factor=0.25, growth_interval=2
     )
     assert trackers.tolist() == [1, 0, 0]
@@ -54,7 +54,7 @@ def test_pytorch_unit_test_numbers(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_non_power_of_two_factors_match_pytorch_bit_for_bit(mode):
     flags = [0, 0, 1, 0, 1, 1, 0]
-    scales, _, _ = run(flags, 1.0, mode, growth_factor=1.5, backoff_factor=0.3, growth_interval=1)
+    scales, *_ = run(flags, 1.0, mode, growth_factor=1.5, backoff_factor=0.3, growth_interval=1)
     assert float(scales[-1]) == 0.1366875022649765
     expected, _ = update_scale_trajectory(1.0, flags, 1.5, 0.3, 1)
     assert scales.view(np.uint32).tolist() == expected.view(np.uint32).tolist()
@@ -84,7 +84,7 @@ def test_growth_to_inf_is_refused_but_the_tracker_still_resets():
 
 def test_backoff_has_no_floor_and_reaches_zero_as_pytorch():
     flags = [1] * 170
-    scales, trackers, _ = run(flags, 2.0**16, "scan")
+    scales, trackers, *_ = run(flags, 2.0**16, "scan")
     expected, expected_trackers = update_scale_trajectory(2.0**16, flags, 2.0, 0.5, 2000)
     # the scale passes through float32 subnormals (kept exactly) down to 0.0
     assert 0.0 < expected[142] < np.finfo(np.float32).tiny
@@ -103,19 +103,19 @@ def test_found_inf_may_be_a_float_count_as_in_pytorch():
 
 def test_output_dtypes_are_fixed():
     state = update_scale(init_scaler_state(), jnp.asarray(True))
-    assert [x.dtype for x in state] == [jnp.float32, jnp.int32, jnp.int32]
+    assert [x.dtype for x in state] == [jnp.float32, jnp.int32, jnp.int32, jnp.bool_, jnp.int32]
     assert all(x.shape == () for x in state)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_min_scale_floors_backoff(mode):
-    scales, _, _ = run([1, 1, 1, 0], 8.0, mode, min_scale=3.0, growth_interval=1)
+    scales, *_ = run([1, 1, 1, 0], 8.0, mode, min_scale=3.0, growth_interval=1)
     assert scales.tolist() == [4.0, 3.0, 3.0, 6.0]
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_max_scale_caps_growth_and_still_resets_the_tracker(mode):
-    scales, trackers, _ = run([0, 0, 0, 0, 1], 4.0, mode, max_scale=10.0, growth_interval=2)
+    scales, trackers, *_ = run([0, 0, 0, 0, 1], 4.0, mode, max_scale=10.0, growth_interval=2)
     assert scales.tolist() == [4.0, 8.0, 8.0, 10.0, 5.0]
     assert trackers.tolist() == [1, 0, 1, 0, 0]
 
@@ -123,7 +123,7 @@ def test_max_scale_caps_growth_and_still_resets_the_tracker(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_hysteresis_backs_off_on_the_nth_consecutive_overflow_and_after(mode):
     flags = [1, 0, 1, 1, 1, 0, 0, 1]
-    scales, trackers, streaks = run(flags, 64.0, mode, hysteresis=2, growth_interval=3)
+    scales, trackers, streaks, *_ = run(flags, 64.0, mode, hysteresis=2, growth_interval=3)
     assert streaks.tolist() == [1, 0, 1, 1, 1, 0, 0, 1]
     assert scales.tolist() == [64.0, 64.0, 64.0, 32.0, 16.0, 16.0, 16.0, 16.0]
     assert trackers.tolist() == [0, 1, 0, 0, 0, 1, 2, 0]
@@ -131,7 +131,7 @@ def test_hysteresis_backs_off_on_the_nth_consecutive_overflow_and_after(mode):
 
 def test_hysteresis_one_is_pytorch_and_keeps_the_streak_at_zero():
     flags = [1, 1, 0, 1]
-    scales, trackers, streaks = run(flags, 64.0, "eager", hysteresis=1)
+    scales, trackers, streaks, *_ = run(flags, 64.0, "eager", hysteresis=1)
     expected, expected_trackers = update_scale_trajectory(64.0, flags, 2.0, 0.5, 2000)
     assert scales.tolist() == expected.tolist()
     assert trackers.tolist() == expected_trackers.tolist()

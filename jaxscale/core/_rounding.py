@@ -20,6 +20,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 _LIMB_BITS = 16
@@ -206,13 +207,20 @@ def multiply_as_double(x: jax.Array, factor: float) -> jax.Array:
     are returned unchanged (their products with a positive factor).
 
     >>> import jax.numpy as jnp
-    >>> from jaxscale._rounding import multiply_as_double
+    >>> from jaxscale.core import multiply_as_double
     >>> float(multiply_as_double(jnp.float32(0.45562499761581420898), 0.3))
     0.1366875022649765
     """
     factor_significand, factor_exponent = decompose_factor(factor)
     if x.dtype != jnp.float32:
         raise TypeError(f"multiply_as_double expects a float32 array, got {x.dtype}")
+    if not isinstance(x, jax.core.Tracer):
+        # A concrete value: NumPy's float64 multiply is C's double multiply and its
+        # float32 cast rounds to nearest-even keeping subnormals, the same two roundings,
+        # without dispatching the integer emulation below op by op.
+        with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN are results here
+            rounded = (np.asarray(x, np.float64) * factor).astype(np.float32)
+        return jnp.asarray(rounded)
     bits = lax.bitcast_convert_type(x, jnp.uint32)
     sign = bits & _u32(0x80000000)
     exponent_field = ((bits >> 23) & 0xFF).astype(jnp.int32)

@@ -39,26 +39,41 @@ def skip_by_select(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
     return keep_unless(found_inf, carry, fn(carry))
 
 
+def _same_types(before: Any, after: Any) -> bool:
+    """Whether two trees of ``jax.ShapeDtypeStruct`` have the same structure and leaf types.
+
+    Weak typing is ignored (a loop promotes it). Everything else counts, including
+    what JAX records of a value's sharding and, under ``shard_map``, whether it
+    varies across devices.
+    """
+    before_leaves, before_tree = jax.tree.flatten(before)
+    after_leaves, after_tree = jax.tree.flatten(after)
+    if before_tree != after_tree:  # type: ignore[operator]
+        return False
+    return all(
+        b.update(weak_type=False) == a.update(weak_type=False)
+        for b, a in zip(before_leaves, after_leaves, strict=True)
+    )
+
+
 def skip_by_loop(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
     """Run ``fn`` inside a ``lax.while_loop`` that runs it zero times or once.
 
-    XLA updates a loop's carry in place. When ``fn`` changes the carry's type
-    (under ``shard_map`` an update computed from per-device gradients turns a
-    replicated carry into a per-device one) a loop is impossible, and this falls
-    back to :func:`skip_by_select`.
+    XLA updates a loop's carry in place. A loop needs ``fn`` to return a carry of
+    exactly the carry's types; when it does not (under ``shard_map`` an update
+    computed from per-device gradients turns a replicated carry into a per-device
+    one), this is decided from the types before any loop is built, and the skip
+    is made by :func:`skip_by_select` instead.
     """
+    if not _same_types(jax.eval_shape(lambda c: c, carry), jax.eval_shape(fn, carry)):
+        return skip_by_select(found_inf, fn, carry)
 
     def body(state: tuple[jax.Array, T]) -> tuple[jax.Array, T]:
         _, current = state
         return jnp.asarray(False), fn(current)
 
     initial = (jnp.logical_not(found_inf), carry)
-    try:
-        _, result = lax.while_loop(lambda state: state[0], body, initial)
-    except TypeError as error:
-        if "carry input and carry output must have equal types" not in str(error):
-            raise
-        return skip_by_select(found_inf, fn, carry)
+    _, result = lax.while_loop(lambda state: state[0], body, initial)
     return result
 
 
@@ -74,7 +89,8 @@ def run_unless(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
       buffers that ``fn`` reads and the select overwrites.)
     * elsewhere (GPU): :func:`skip_by_select`. Pure dataflow: a loop or conditional
       would copy its predicate to the host and wait for it, a host synchronisation
-      every step.
+      every step. XLA may then copy donated buffers that ``fn`` reads, so on GPU a
+      skip is cheap but not free of copies.
 
     Outside ``jit`` ``found_inf`` is a concrete array and a Python branch decides:
     eager execution already waits for every operation, and a loop would compile

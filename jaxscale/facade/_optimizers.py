@@ -16,10 +16,12 @@ and how to make a skipped update change nothing:
   ``(params, opt_state)`` after ``tx.update`` and ``optax.apply_updates``, or the
   unchanged pair when skipped. Like PyTorch's ``step``, it applies the update.
 
-Each update runs through :func:`run_unless`, a loop that runs it zero times or
-once: the parameters and optimizer state are updated in place, never copied. The
-gradients are prepared (unscaled) inside the loop, so the unscaling fuses into the
-optimizer's own pass instead of writing the unscaled gradients out first.
+Each update runs through :func:`~jaxscale.core.run_unless`: on CPU and TPU a
+loop that runs it zero times or once, so the parameters and optimizer state are
+updated in place, never copied; on GPU a select, which keeps the predicate off
+the host. The gradients are prepared (unscaled) inside it, so the unscaling
+fuses into the optimizer's own pass instead of writing the unscaled gradients
+out first.
 """
 
 from __future__ import annotations
@@ -32,8 +34,7 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
-from jaxscale._leaves import require_matching
-from jaxscale._skip import run_unless, skipped_updates_like
+from jaxscale.core import require_matching, run_unless, skipped_updates_like
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]

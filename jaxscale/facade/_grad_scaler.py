@@ -14,16 +14,26 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale import _leaves, _validation
-from jaxscale._finite import all_finite
-from jaxscale._iteration import Iteration, OptimizerRecord, Stage
-from jaxscale._optimizers import adapter_for
-from jaxscale._scaling import scale_outputs
-from jaxscale._state import ScalerState
-from jaxscale._state_dict import STATE_DICT_KEYS, parse_state_dict
-from jaxscale._transform import AxisName, any_over_axis
-from jaxscale._unscale import inverse_scale, unscale, unscale_and_check
-from jaxscale._update_rule import ScaleUpdateRule
+from jaxscale.core import (
+    AxisName,
+    ScalerState,
+    ScaleUpdateRule,
+    all_finite,
+    any_over_axis,
+    disabled_metrics,
+    floating_leaves,
+    init_scaler_state,
+    inverse_scale,
+    scale_outputs,
+    scaler_metrics,
+    unscale,
+    unscale_and_check,
+    validation,
+    warn_if_unhealthy,
+)
+from jaxscale.facade._iteration import Iteration, OptimizerRecord, Stage
+from jaxscale.facade._optimizers import adapter_for
+from jaxscale.facade._state_dict import STATE_DICT_KEYS, parse_state_dict
 
 T = TypeVar("T")
 
@@ -35,7 +45,7 @@ _ACCELERATORS = {"cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
 
 class ScalerVariable(nnx.Variable):
-    """The dynamic state of a :class:`GradScaler`: its scale and growth tracker."""
+    """The dynamic state of a :class:`GradScaler`: its core :class:`~jaxscale.ScalerState`."""
 
 
 def _device_kind(device: Any) -> str:
@@ -88,7 +98,12 @@ class GradScaler(nnx.Pytree):
     * ``scaler.update()`` backs the scale off if any optimizer's step was skipped,
       or grows it after ``growth_interval`` consecutive finite iterations.
 
-    The scale and growth tracker are :class:`ScalerVariable` arrays, so the scaler
+    Beyond PyTorch, ``scaler.found_inf()`` and ``scaler.skipped_steps()`` say
+    whether and how often steps were skipped, and ``scaler.metrics()`` gives the
+    state as arrays for a logger.
+
+    The state is the core :class:`~jaxscale.ScalerState` (the one the Optax
+    transform keeps) in a :class:`ScalerVariable`, so the scaler
     can be an argument of ``nnx.jit`` (updated in place) or of ``jax.jit`` (return
     it), and nothing in ``scale``/``unscale_``/``step``/``update`` waits on the host.
     The per-optimizer stages that PyTorch tracks between updates are Python state,
@@ -119,6 +134,11 @@ class GradScaler(nnx.Pytree):
         ``shard_map``/``pmap`` over which the inf/NaN decision is shared, so that
         every device skips and backs off alike. Not needed under ``jax.jit`` with
         sharded arrays, where the check is global already.
+      hysteresis: keyword-only, not in PyTorch: consecutive overflowing
+        iterations before the scale backs off (1, the default, is PyTorch's
+        rule); every overflowing step is still skipped.
+      dynamic: keyword-only, not in PyTorch: if False, the scale stays at
+        ``init_scale`` (a static loss scale); non-finite steps are still skipped.
 
     >>> import jax.numpy as jnp, optax
     >>> from flax import nnx
@@ -150,9 +170,10 @@ class GradScaler(nnx.Pytree):
         min_scale: float | None = None,
         max_scale: float | None = None,
         axis_name: AxisName | None = None,
+        hysteresis: int = 1,
+        dynamic: bool = True,
     ) -> None:
-        if not isinstance(enabled, bool):
-            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__} {enabled!r}")
+        validation.as_bool("enabled", enabled)
         platform = _ACCELERATORS.get(_device_kind(device))
         if enabled and platform is not None and not _backend_available(platform):
             name = "CUDA" if platform == "gpu" else platform.upper()
@@ -166,14 +187,24 @@ class GradScaler(nnx.Pytree):
         if not enabled:
             return
         self._rule = _pytorch_checked_rule(
-            growth_factor, backoff_factor, growth_interval, min_scale, max_scale
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            min_scale,
+            max_scale,
+            hysteresis,
+            dynamic,
         )
         self._axis_name = axis_name
-        scale = _validation.init_scale_within(
-            init_scale, self._rule.min_scale, self._rule.max_scale
-        )
-        self._scale = ScalerVariable(jnp.asarray(scale, jnp.float32))
-        self._growth_tracker = ScalerVariable(jnp.zeros((), jnp.int32))
+        scale = validation.init_scale_within(init_scale, self._rule.min_scale, self._rule.max_scale)
+        self._state = ScalerVariable(init_scaler_state(scale))
+
+    @property
+    def _scaler_state(self) -> ScalerState:
+        return self._state.get_value()
+
+    def _set_scaler_state(self, state: ScalerState) -> None:
+        self._state.set_value(state)
 
     # -- the training-loop API --------------------------------------------------------
 
@@ -184,7 +215,7 @@ class GradScaler(nnx.Pytree):
         Returns the same structure, each floating leaf in its own dtype (the product
         is formed in float32; compute the loss in float32). Disabled: ``outputs``.
         """
-        scaled = scale_outputs(outputs, self._scale[...])
+        scaled = scale_outputs(outputs, self._scaler_state.scale)
         self._iteration.scale_called = True
         return scaled
 
@@ -195,7 +226,9 @@ class GradScaler(nnx.Pytree):
         Call it at most once per optimizer per iteration, before ``step``, when you
         need the true gradients (clipping, logging). ``step`` then uses the
         ``found_inf`` recorded here and the gradients you pass it as they are.
-        Arrays are immutable, so unlike PyTorch the unscaled gradients are returned.
+        Arrays are immutable, so unlike PyTorch the unscaled gradients are returned:
+        pass those to ``step``. Passing ``step`` the very gradients given here (the
+        PyTorch habit of ignoring the result) raises, since they are still scaled.
         """
         self._check_scale_called("unscale_")
         record = self._iteration.record(optimizer)
@@ -205,18 +238,20 @@ class GradScaler(nnx.Pytree):
             )
         if record.stage is Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        unscaled, _ = unscale_and_check(grads, self._scale[...])
+        unscaled, _ = unscale_and_check(grads, self._scaler_state.scale)
         found_inf = self._found_inf(grads)
-        self._iteration.store(optimizer, OptimizerRecord(Stage.UNSCALED, found_inf))
+        record = OptimizerRecord(Stage.UNSCALED, found_inf, tuple(floating_leaves(grads)))
+        self._iteration.store(optimizer, record)
         return unscaled
 
     def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless ``unscale_`` ran) and run the optimizer's update, unless inf/NaN.
 
         The update is traced either way; a skipped step leaves the parameters and
-        the optimizer state exactly as they were. Returns what the optimizer's
-        update returns: the updates of an ``nnx.Optimizer`` (``-0.0`` when skipped),
-        the new or unchanged ``TrainState``, or Optax's ``(updates, opt_state)``.
+        the optimizer state exactly as they were. Returns the updates of an
+        ``nnx.Optimizer`` (``-0.0`` when skipped; the model and optimizer change in
+        place), the new or unchanged ``TrainState``, or for an Optax
+        transformation the new or unchanged ``(params, opt_state)``.
         """
         adapter = adapter_for(optimizer)
         if not self._enabled:
@@ -229,10 +264,11 @@ class GradScaler(nnx.Pytree):
         record = self._iteration.record(optimizer)
         if record.stage is Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        _refuse_still_scaled(record, grads)
         found_inf, prepare = record.found_inf, _unchanged
         if record.stage is Stage.READY:
             found_inf = self._found_inf(grads)
-            prepare = functools.partial(unscale, inv_scale=inverse_scale(self._scale[...]))
+            prepare = functools.partial(unscale, inv_scale=inverse_scale(self._scaler_state.scale))
         if found_inf is None:
             raise AssertionError("No inf checks were recorded for this optimizer.")
         result = adapter.step_unless(found_inf, optimizer, args, kwargs, prepare)
@@ -245,15 +281,20 @@ class GradScaler(nnx.Pytree):
 
         Backs off once if any optimizer's gradients held inf/NaN this iteration,
         else grows after ``growth_interval`` consecutive finite iterations.
-        ``new_scale`` (a float, or an array with one element) sets the scale instead.
+        ``new_scale`` (a float, or an array with one element) sets the scale instead
+        (the growth tracker is kept, as PyTorch does). Either way the iteration's
+        ``found_inf`` is recorded and, when true, counted in :meth:`skipped_steps`.
         """
         self._check_scale_called("update")
+        found_infs = [
+            r.found_inf for r in self._iteration.optimizers.values() if r.found_inf is not None
+        ]
+        state = self._scaler_state
         if new_scale is not None:
-            self._scale[...] = _as_new_scale(new_scale, self._scale[...])
+            scale = _as_new_scale(new_scale, state.scale)
+            found_inf = functools.reduce(operator.or_, found_infs, jnp.asarray(False))
+            state = self._rule.record(state, found_inf)._replace(scale=scale)
         else:
-            found_infs = [
-                r.found_inf for r in self._iteration.optimizers.values() if r.found_inf is not None
-            ]
             if not found_infs and self._iteration.dropped_stale:
                 self._iteration.dropped_stale = False  # explained once
                 raise RuntimeError(
@@ -264,21 +305,83 @@ class GradScaler(nnx.Pytree):
                 )
             if not found_infs:
                 raise AssertionError("No inf checks were recorded prior to update.")
-            state = self._rule.apply(
-                ScalerState(self._scale[...], self._growth_tracker[...], jnp.zeros((), jnp.int32)),
-                functools.reduce(operator.or_, found_infs),
-            )
-            self._scale[...] = state.scale
-            self._growth_tracker[...] = state.growth_tracker
-        self._iteration.clear()
+            state = self._rule.apply(state, functools.reduce(operator.or_, found_infs))
+        self._set_scaler_state(state)
+        self._iteration.finish()
+
+    # -- was it skipped? ----------------------------------------------------------------
+
+    @_when_enabled(lambda self, optimizer=None: False)
+    def found_inf(self, optimizer: Any = None) -> Any:
+        """Whether gradients held an inf or NaN, so that the step was (or will be) skipped.
+
+        ``found_inf(optimizer)`` is that optimizer's flag: from this iteration once
+        ``unscale_`` or ``step`` has checked its gradients, otherwise from the
+        iteration the last ``update()`` ended. ``found_inf()`` is any optimizer's:
+        this iteration's flags once one is recorded, otherwise the last
+        ``update()``'s (kept in the state, so it is there after a jitted step
+        returns). A Python bool outside ``jit``, a traced bool inside; False when
+        disabled.
+
+        Outside the traced function that ran the iteration, per-optimizer flags are
+        gone (they were traced values); when that iteration stepped a single
+        optimizer, its flag is the state's ``found_inf`` and is returned.
+
+        Raises:
+          RuntimeError: for an optimizer with no flag to report: not checked this
+            iteration, and the last ``update()`` ran in another traced function
+            after stepping several optimizers (or none).
+        """
+        flags = self._iteration.optimizers
+        if optimizer is None:
+            recorded = [r.found_inf for r in flags.values() if r.found_inf is not None]
+            if recorded:
+                return _concrete(functools.reduce(operator.or_, recorded), bool)
+            return _concrete(self._scaler_state.found_inf, bool)
+        record = flags.get(id(optimizer))
+        if record is not None and record.found_inf is not None:
+            return _concrete(record.found_inf, bool)
+        known, flag = self._iteration.finished_flag(optimizer)
+        if known:
+            return False if flag is None else _concrete(flag, bool)
+        if len(self._iteration.finished_ids) == 1:
+            # The last iteration checked one optimizer, so its flag is the state's. The
+            # identity cannot be checked here: jit traces a copy of the optimizer.
+            return _concrete(self._scaler_state.found_inf, bool)
+        raise RuntimeError(
+            "found_inf(optimizer): this optimizer's gradients were not checked in this "
+            "iteration, nor by the last update() in this traced function. Ask inside the "
+            "function that stepped it, or call found_inf() for any optimizer's flag."
+        )
+
+    @_when_enabled(lambda self: 0)
+    def skipped_steps(self) -> Any:
+        """How many iterations ``update()`` has ended with a skipped step (saturating at
+        ``2**31 - 1``). A Python int outside ``jit``, a traced int32 inside; 0 when disabled."""
+        return _concrete(self._scaler_state.skipped_steps, int)
+
+    def metrics(
+        self, *, warn_below: float | None = None, warn_above: float | None = None
+    ) -> dict[str, jax.Array]:
+        """The scaler's state as a dict of arrays, ready for a logger.
+
+        Keys: ``scale``, ``found_inf`` (the last ``update()``'s), ``skipped_steps``,
+        ``growth_tracker`` and ``overflow_streak``. Building the dict reads nothing
+        back to the host: return it from the jitted step and log it. With
+        ``warn_below``/``warn_above`` (outside ``jit`` only) a
+        :class:`~jaxscale.ScaleWarning` is issued when the scale is below, or at or
+        above, the threshold (as :func:`jaxscale.metrics`).
+        """
+        values = scaler_metrics(self._scaler_state) if self._enabled else disabled_metrics()
+        warn_if_unhealthy(values, warn_below, warn_above)
+        return values
 
     # -- getters and setters ------------------------------------------------------------
 
     @_when_enabled(lambda self: 1.0)
     def get_scale(self) -> Any:
         """The scale: a Python float, or a traced array inside ``jit``; 1.0 when disabled."""
-        scale = self._scale[...]
-        return scale if _is_traced(scale) else float(scale)
+        return _concrete(self._scaler_state.scale, float)
 
     def get_growth_factor(self) -> float:
         return self._rule.growth_factor
@@ -303,8 +406,7 @@ class GradScaler(nnx.Pytree):
 
     @_when_enabled(lambda self: 0)
     def _get_growth_tracker(self) -> Any:
-        tracker = self._growth_tracker[...]
-        return tracker if _is_traced(tracker) else int(tracker)
+        return _concrete(self._scaler_state.growth_tracker, int)
 
     # -- checkpoints --------------------------------------------------------------------
 
@@ -329,6 +431,10 @@ class GradScaler(nnx.Pytree):
         """Load a state dict from :meth:`state_dict` or from ``torch.amp.GradScaler.state_dict()``.
 
         Every entry is validated before any is applied: a rejected dict changes nothing.
+        PyTorch's dict has no place for jaxscale's own counters, so
+        ``overflow_streak``, ``found_inf`` and ``skipped_steps`` restart from their
+        initial values; checkpoint the scaler with Orbax, ``flax.serialization`` or
+        pickle to keep them.
         """
         if len(state_dict) == 0:
             raise RuntimeError(
@@ -342,9 +448,9 @@ class GradScaler(nnx.Pytree):
             backoff_factor=parsed.backoff_factor,
             growth_interval=parsed.growth_interval,
         )
+        state = init_scaler_state(parsed.scale, parsed.growth_tracker)
         self._rule = rule
-        self._scale[...] = jnp.asarray(parsed.scale, jnp.float32)
-        self._growth_tracker[...] = jnp.asarray(parsed.growth_tracker, jnp.int32)
+        self._set_scaler_state(state)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -367,7 +473,7 @@ class GradScaler(nnx.Pytree):
     def _found_inf(self, grads: Any) -> jax.Array | None:
         """Whether ``grads`` hold an inf or NaN; None when there is no floating leaf
         (PyTorch records no check then)."""
-        if not _leaves.floating_leaves(grads):
+        if not floating_leaves(grads):
             return None
         return any_over_axis(jnp.logical_not(all_finite(grads)), self._axis_name)
 
@@ -376,16 +482,42 @@ def _unchanged(grads: T) -> T:
     return grads
 
 
+def _concrete(value: jax.Array, kind: Callable[[Any], T]) -> Any:
+    """``kind(value)`` (a Python number) outside ``jit``; the traced array itself inside."""
+    return value if _is_traced(value) else kind(value)
+
+
+def _refuse_still_scaled(record: OptimizerRecord, grads: Any) -> None:
+    """Raise when ``step`` is given gradients that ``unscale_`` was given, not its result.
+
+    In PyTorch ``unscale_`` divides ``.grad`` in place and its result can be
+    ignored; here it returns new arrays, and the gradients it was given are still
+    multiplied by the scale. Every floating leaf ``unscale_`` returns is a new
+    array, so any leaf identical to one it was given is still scaled.
+    """
+    if not record.scaled_leaves:
+        return
+    given = {id(leaf) for leaf in record.scaled_leaves}
+    if any(id(leaf) in given for leaf in floating_leaves(grads)):
+        raise RuntimeError(
+            "step() was given the gradients that unscale_() was given for this optimizer; "
+            "they are still scaled. unscale_() returns the unscaled gradients (arrays are "
+            "immutable): grads = scaler.unscale_(optimizer, grads), then pass those to step()."
+        )
+
+
 def _pytorch_checked_rule(
     growth_factor: Any,
     backoff_factor: Any,
     growth_interval: Any,
     min_scale: Any = None,
     max_scale: Any = None,
+    hysteresis: Any = 1,
+    dynamic: Any = True,
 ) -> ScaleUpdateRule:
     """Validate the factors with PyTorch's own messages first, then jaxscale's stricter checks."""
-    growth = _validation.as_float("growth_factor", growth_factor)
-    backoff = _validation.as_float("backoff_factor", backoff_factor)
+    growth = validation.as_float("growth_factor", growth_factor)
+    backoff = validation.as_float("backoff_factor", backoff_factor)
     if growth <= 1.0:
         raise AssertionError("The growth factor must be > 1.0.")
     if backoff >= 1.0:
@@ -396,6 +528,8 @@ def _pytorch_checked_rule(
         growth_interval=growth_interval,
         min_scale=min_scale,
         max_scale=max_scale,
+        hysteresis=hysteresis,
+        dynamic=dynamic,
     )
 
 

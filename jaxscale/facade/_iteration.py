@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 import jax
 import jax.extend
@@ -38,10 +39,13 @@ class OptimizerRecord:
 
     ``found_inf`` is None until its gradients are checked, and stays None when
     they held no floating leaf (PyTorch's empty ``found_inf_per_device``).
+    ``scaled_leaves`` are the floating leaves ``unscale_`` was given, kept until
+    ``step`` so that ``step`` can refuse them: they are still scaled.
     """
 
     stage: Stage = Stage.READY
     found_inf: jax.Array | None = None
+    scaled_leaves: tuple[Any, ...] = ()
 
 
 class Iteration:
@@ -52,6 +56,11 @@ class Iteration:
         self._optimizers: dict[int, OptimizerRecord] = {}
         self._trace: object = None
         self.dropped_stale = False
+        # The iteration ended by the last update(): which optimizers it checked, and
+        # their flags while still in the trace that computed them.
+        self.finished_ids: frozenset[int] = frozenset()
+        self._finished_flags: dict[int, jax.Array | None] = {}
+        self._finished_trace: object = None
 
     @property
     def optimizers(self) -> dict[int, OptimizerRecord]:
@@ -70,6 +79,21 @@ class Iteration:
             self._trace = _current_trace()
         self._optimizers[id(optimizer)] = record
         self.dropped_stale = False
+
+    def finished_flag(self, optimizer: object) -> tuple[bool, jax.Array | None]:
+        """``(known, found_inf)`` of ``optimizer`` in the iteration the last update() ended,
+        when that update ran in the current trace."""
+        if self._finished_trace != _current_trace() or id(optimizer) not in self._finished_flags:
+            return False, None
+        return True, self._finished_flags[id(optimizer)]
+
+    def finish(self) -> None:
+        """End the iteration (``update()``), keeping what ``found_inf(optimizer)`` reports."""
+        records = self.optimizers
+        self.finished_ids = frozenset(records)
+        self._finished_flags = {key: record.found_inf for key, record in records.items()}
+        self._finished_trace = _current_trace()
+        self.clear()
 
     def clear(self) -> None:
         self._optimizers = {}

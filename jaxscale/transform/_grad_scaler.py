@@ -2,51 +2,40 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
-from jaxscale import _validation
-from jaxscale._finite import all_finite
-from jaxscale._leaves import require_matching
-from jaxscale._skip import run_unless, skipped_updates_like
-from jaxscale._state import ScalerState, init_scaler_state
-from jaxscale._unscale import inverse_scale, unscale
-from jaxscale._update_rule import ScaleUpdateRule
-
-_INT32_MAX = 2**31 - 1
-
-AxisName = Hashable | Sequence[Hashable]
+from jaxscale.core import (
+    AxisName,
+    ScalerState,
+    ScaleUpdateRule,
+    all_finite,
+    any_over_axis,
+    init_scaler_state,
+    inverse_scale,
+    require_matching,
+    run_unless,
+    skipped_updates_like,
+    unscale,
+    validation,
+)
 
 
 class GradScalerState(NamedTuple):
     """State of :func:`grad_scaler`.
 
     Attributes:
-      scaler: the :class:`ScalerState` (scale and trackers); ``None`` when the
+      scaler: the :class:`ScalerState` (scale, trackers, the last step's
+        ``found_inf`` and the count of skipped steps); ``None`` when the
         transform was built with ``enabled=False``.
-      found_inf: bool scalar, whether the last update's gradients held an inf or
-        NaN (and so was skipped); ``None`` when disabled.
-      skipped_steps: int32 scalar, the number of updates skipped since ``init``
-        (saturating); ``None`` when disabled.
       inner_state: the wrapped transform's state, untouched by skipped updates.
     """
 
     scaler: ScalerState | None
-    found_inf: jax.Array | None
-    skipped_steps: jax.Array | None
     inner_state: Any
-
-
-def any_over_axis(found_inf: jax.Array, axis_name: AxisName | None) -> jax.Array:
-    """``found_inf`` or-ed over every device of ``axis_name`` (itself when None)."""
-    if axis_name is None:
-        return found_inf
-    return lax.pmax(found_inf.astype(jnp.int32), axis_name) > 0
 
 
 def grad_scaler(
@@ -74,10 +63,13 @@ def grad_scaler(
        and everything else inside ``inner`` sees the true gradients;
     3. when not, emits zero updates (``-0.0``, so parameters stay bitwise equal)
        and keeps ``inner``'s state exactly as it was: the step is skipped, like
-       PyTorch not calling ``optimizer.step()``. Inside ``jit`` the inner update
+       PyTorch not calling ``optimizer.step()``. On CPU and TPU the inner update
        sits in a loop that runs it zero times or once, so a skip does no work and
-       the state is updated in place, never copied;
-    4. updates the scale by PyTorch's rule (:func:`update_scale`).
+       the state is updated in place; on GPU it is a select (see
+       :func:`jaxscale.core.run_unless`). An Optax schedule inside ``inner``
+       reads ``inner``'s own step count, which a skipped step does not advance;
+    4. updates the scale by PyTorch's rule (:func:`update_scale`) and records
+       ``found_inf`` and the count of skipped steps.
 
     All of it runs inside the caller's ``jit``: no host synchronisation, and no
     recompilation when the scale changes. Extra arguments to ``update`` are
@@ -131,23 +123,14 @@ def grad_scaler(
         min_scale=min_scale,
         max_scale=max_scale,
         hysteresis=hysteresis,
+        dynamic=dynamic,
     )
-    init_scale = _validation.init_scale_within(init_scale, rule.min_scale, rule.max_scale)
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__} {enabled!r}")
-    if not isinstance(dynamic, bool):
-        raise TypeError(f"dynamic must be a bool, got {type(dynamic).__name__} {dynamic!r}")
-
-    if not enabled:
+    init_scale = validation.init_scale_within(init_scale, rule.min_scale, rule.max_scale)
+    if not validation.as_bool("enabled", enabled):
         return _passthrough(inner)
 
     def init_fn(params: optax.Params) -> GradScalerState:
-        return GradScalerState(
-            scaler=init_scaler_state(init_scale),
-            found_inf=jnp.asarray(False),
-            skipped_steps=jnp.zeros((), jnp.int32),
-            inner_state=inner.init(params),
-        )
+        return GradScalerState(scaler=init_scaler_state(init_scale), inner_state=inner.init(params))
 
     def update_fn(
         updates: optax.Updates,
@@ -155,7 +138,7 @@ def grad_scaler(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, GradScalerState]:
-        if state.scaler is None or state.skipped_steps is None:
+        if state.scaler is None:
             raise ValueError(
                 "this grad_scaler is enabled but was given the state of a disabled one "
                 "(built with enabled=False); initialise the state with this transform's init"
@@ -166,20 +149,17 @@ def grad_scaler(
         inv_scale = inverse_scale(state.scaler.scale)
 
         def inner_step(carry: tuple[optax.Updates, Any]) -> tuple[optax.Updates, Any]:
-            # unscaling here, inside the loop, fuses it into inner's own pass
+            # unscaling here, inside the skip, fuses it into inner's own pass
             return inner.update(unscale(updates, inv_scale), carry[1], params, **extra_args)
 
-        # The inner update runs zero times or once, in place: a skipped step keeps
-        # the -0.0 updates it starts from and the inner state exactly as it was.
+        # A skipped step keeps the -0.0 updates it starts from and the inner state
+        # exactly as it was.
         updates_shape, _ = jax.eval_shape(inner_step, (None, state.inner_state))
         new_updates, new_inner_state = run_unless(
             found_inf, inner_step, (skipped_updates_like(updates_shape), state.inner_state)
         )
-        scaler = rule.apply(state.scaler, found_inf) if dynamic else state.scaler
-        skipped = state.skipped_steps
-        skipped = jnp.where(found_inf & (skipped < _INT32_MAX), skipped + 1, skipped)
         return new_updates, GradScalerState(
-            scaler=scaler, found_inf=found_inf, skipped_steps=skipped, inner_state=new_inner_state
+            scaler=rule.apply(state.scaler, found_inf), inner_state=new_inner_state
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -191,7 +171,7 @@ def _passthrough(
     """``inner`` with its state wrapped in a :class:`GradScalerState` marked disabled."""
 
     def init_fn(params: optax.Params) -> GradScalerState:
-        return GradScalerState(None, None, None, inner.init(params))
+        return GradScalerState(None, inner.init(params))
 
     def update_fn(
         updates: optax.Updates,

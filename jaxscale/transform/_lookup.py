@@ -13,8 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxscale._scaling import scale_outputs
-from jaxscale._transform import GradScalerState
+from jaxscale.core import disabled_metrics, scale_outputs, scaler_metrics, warn_if_unhealthy
+from jaxscale.transform._grad_scaler import GradScalerState
 
 
 def _array(leaf: Any) -> jax.Array:
@@ -70,17 +70,52 @@ def found_inf(opt_state: Any) -> jax.Array:
     A boolean scalar; False before the first update and when disabled. Jittable.
     """
     state = find_state(opt_state)
-    if state.found_inf is None:
+    if state.scaler is None:
         return jnp.asarray(False)
-    return _array(state.found_inf)
+    return _array(state.scaler.found_inf)
 
 
 def skipped_steps(opt_state: Any) -> jax.Array:
-    """How many updates the grad_scaler inside ``opt_state`` has skipped (int32 scalar)."""
+    """How many updates the grad_scaler inside ``opt_state`` has skipped (int32 scalar).
+
+    Saturates at ``2**31 - 1``; 0 when disabled. Jittable.
+    """
     state = find_state(opt_state)
-    if state.skipped_steps is None:
+    if state.scaler is None:
         return jnp.zeros((), jnp.int32)
-    return _array(state.skipped_steps)
+    return _array(state.scaler.skipped_steps)
+
+
+def metrics(
+    opt_state: Any, *, warn_below: float | None = None, warn_above: float | None = None
+) -> dict[str, jax.Array]:
+    """The grad_scaler's state as a dict of arrays, ready for a logger.
+
+    Keys: ``scale`` (float32), ``found_inf`` (bool, the last update was skipped),
+    ``skipped_steps``, ``growth_tracker`` and ``overflow_streak`` (int32). The
+    values are the state's own arrays: building the dict reads nothing back to
+    the host, so it can be returned from a jitted step and logged
+    asynchronously (TensorBoard, W&B, clu).
+
+    Opt-in health check, outside ``jit`` only (it reads the scale): with
+    ``warn_below`` a :class:`ScaleWarning` is issued when the scale is below it
+    (overflows on many recent steps: a NaN source, a learning rate too high);
+    with ``warn_above`` when it is at or above it (pass ``max_scale`` to learn
+    that the scale sits at its ceiling).
+
+    >>> import jax.numpy as jnp, optax, jaxscale
+    >>> opt_state = jaxscale.grad_scaler(optax.sgd(0.1)).init({"w": jnp.zeros(2)})
+    >>> values = jaxscale.metrics(opt_state)
+    >>> float(values["scale"]), bool(values["found_inf"]), int(values["skipped_steps"])
+    (65536.0, False, 0)
+    """
+    state = find_state(opt_state)
+    if state.scaler is None:
+        values = disabled_metrics()
+    else:
+        values = {k: _array(v) for k, v in scaler_metrics(state.scaler).items()}
+    warn_if_unhealthy(values, warn_below, warn_above)
+    return values
 
 
 def scale(loss_or_tree: Any, opt_state: Any) -> Any:

@@ -8,11 +8,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxscale import _validation
-from jaxscale._rounding import multiply_as_double
-from jaxscale._state import ScalerState
-
-_INT32_MAX = 2**31 - 1
+from jaxscale.core import _validation
+from jaxscale.core._rounding import multiply_as_double
+from jaxscale.core._state import ScalerState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +28,7 @@ class ScaleUpdateRule:
     min_scale: float | None = None
     max_scale: float | None = None
     hysteresis: int = 1
+    dynamic: bool = True
 
     def __post_init__(self) -> None:
         low, high = _validation.scale_bounds(self.min_scale, self.max_scale)
@@ -40,13 +39,26 @@ class ScaleUpdateRule:
             "min_scale": low,
             "max_scale": high,
             "hysteresis": _validation.hysteresis(self.hysteresis),
+            "dynamic": _validation.as_bool("dynamic", self.dynamic),
         }
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
 
+    def record(self, state: ScalerState, found_inf: Any) -> ScalerState:
+        """``state`` with this step's ``found_inf`` recorded and, when true, counted as skipped."""
+        found_inf = _as_found_inf(found_inf)
+        skipped = jnp.asarray(state.skipped_steps, jnp.int32)
+        return state._replace(
+            found_inf=found_inf,
+            skipped_steps=jnp.where(found_inf, _saturating_add(skipped), skipped),
+        )
+
     def apply(self, state: ScalerState, found_inf: Any) -> ScalerState:
         """The new state after a step whose gradients were (``found_inf``) or were not finite."""
         found_inf = _as_found_inf(found_inf)
+        counted = self.record(state, found_inf)
+        if not self.dynamic:
+            return counted
         scale = jnp.asarray(state.scale, jnp.float32)
         tracker = jnp.asarray(state.growth_tracker, jnp.int32)
         streak = jnp.asarray(state.overflow_streak, jnp.int32)
@@ -60,7 +72,7 @@ class ScaleUpdateRule:
         if self.min_scale is not None:
             backed_off = jnp.maximum(backed_off, jnp.float32(self.min_scale))
 
-        successful = jnp.where(tracker < _INT32_MAX, tracker + 1, tracker)
+        successful = _saturating_add(tracker)
         reaches_interval = ~found_inf & (successful == self.growth_interval)
         grown = multiply_as_double(scale, self.growth_factor)
         grows = reaches_interval & jnp.isfinite(grown)
@@ -69,11 +81,16 @@ class ScaleUpdateRule:
 
         new_scale = jnp.where(backs_off, backed_off, jnp.where(grows, grown, scale))
         new_tracker = jnp.where(found_inf | reaches_interval, 0, successful)
-        return ScalerState(
+        return counted._replace(
             scale=new_scale,
             growth_tracker=new_tracker.astype(jnp.int32),
             overflow_streak=new_streak.astype(jnp.int32),
         )
+
+
+def _saturating_add(count: jax.Array) -> jax.Array:
+    """``count + 1``, staying at ``2**31 - 1`` instead of wrapping to a negative count."""
+    return jnp.where(count < _validation.INT32_MAX, count + 1, count)
 
 
 def _as_found_inf(found_inf: Any) -> jax.Array:
@@ -96,6 +113,7 @@ def update_scale(
     min_scale: float | None = None,
     max_scale: float | None = None,
     hysteresis: int = 1,
+    dynamic: bool = True,
 ) -> ScalerState:
     """Return the state after one step, by PyTorch's ``_amp_update_scale_`` rule.
 
@@ -117,7 +135,7 @@ def update_scale(
 
     ``round_f32(scale * f)`` is the product computed in double precision and
     rounded to float32, bit-identical to PyTorch for any factors without
-    ``jax_enable_x64`` (see :func:`jaxscale._rounding.multiply_as_double`).
+    ``jax_enable_x64`` (see :func:`jaxscale.core.multiply_as_double`).
 
     The opt-in extensions change the rule as follows:
 
@@ -129,6 +147,12 @@ def update_scale(
       counts consecutive overflows, saturating at ``n - 1``; a finite step resets
       it, and ``growth_tracker`` is reset on every overflow. ``n=1`` is PyTorch's
       rule and keeps ``overflow_streak`` at 0.
+    * ``dynamic=False``: a static loss scale; ``scale``, ``growth_tracker`` and
+      ``overflow_streak`` never change.
+
+    Whatever the options, ``found_inf`` records this step's flag and
+    ``skipped_steps`` counts it when it is true (saturating at ``2**31 - 1``, as
+    ``growth_tracker`` does).
 
     Args:
       state: the current :class:`ScalerState`.
@@ -141,6 +165,7 @@ def update_scale(
       min_scale: optional floor for backoff (positive; float32 comparison).
       max_scale: optional ceiling for growth (positive; float32 comparison).
       hysteresis: consecutive overflows before backing off; an int >= 1.
+      dynamic: if False, the scale is static (only the counters move).
 
     Returns:
       The new :class:`ScalerState`. Jittable; hyperparameters are static.
@@ -166,5 +191,6 @@ def update_scale(
         min_scale=min_scale,
         max_scale=max_scale,
         hysteresis=hysteresis,
+        dynamic=dynamic,
     )
     return rule.apply(state, found_inf)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from jaxscale import _validation
+from jaxscale.core import validation
 
 STATE_DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
@@ -54,13 +54,11 @@ def parse_state_dict(state_dict: Mapping[str, Any]) -> ParsedStateDict:
             f"GradScaler state_dict has unknown keys {unknown}; expected {list(STATE_DICT_KEYS)}"
         )
     values = {key: _plain_number(key, state_dict[key]) for key in STATE_DICT_KEYS}
-    tracker = _validation.as_int("_growth_tracker", values["_growth_tracker"])
-    if not 0 <= tracker < 2**31:
-        raise ValueError(f"_growth_tracker must be in [0, 2**31), got {tracker!r}")
+    tracker = validation.int32_count("_growth_tracker", values["_growth_tracker"])
     return ParsedStateDict(
-        scale=_validation.positive_float32("scale", values["scale"]),
-        growth_factor=_validation.growth_factor(values["growth_factor"]),
-        backoff_factor=_validation.backoff_factor(values["backoff_factor"]),
-        growth_interval=_validation.growth_interval(values["growth_interval"]),
+        scale=validation.positive_float32("scale", values["scale"]),
+        growth_factor=validation.growth_factor(values["growth_factor"]),
+        backoff_factor=validation.backoff_factor(values["backoff_factor"]),
+        growth_interval=validation.growth_interval(values["growth_interval"]),
         growth_tracker=tracker,
     )

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-_INT32_MAX = 2**31 - 1
+INT32_MAX = 2**31 - 1
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -57,6 +57,21 @@ def as_int(name: str, value: Any) -> int:
     return int(number)
 
 
+def as_bool(name: str, value: Any) -> bool:
+    """``value`` itself when it is a Python bool; anything else (even 0 or 1) is rejected."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def int32_count(name: str, value: Any) -> int:
+    """A counter's starting value: an integer in ``[0, 2**31)``."""
+    number = as_int(name, value)
+    if not 0 <= number <= INT32_MAX:
+        raise ValueError(f"{name} must be in [0, 2**31), got {number!r}")
+    return number
+
+
 def growth_factor(value: Any) -> float:
     number = as_float("growth_factor", value)
     if number <= 1.0:
@@ -73,14 +88,14 @@ def backoff_factor(value: Any) -> float:
 
 def growth_interval(value: Any) -> int:
     number = as_int("growth_interval", value)
-    if not 1 <= number <= _INT32_MAX:
+    if not 1 <= number <= INT32_MAX:
         raise ValueError(f"growth_interval must be an integer in [1, 2**31 - 1], got {number!r}")
     return number
 
 
 def hysteresis(value: Any) -> int:
     number = as_int("hysteresis", value)
-    if not 1 <= number <= _INT32_MAX:
+    if not 1 <= number <= INT32_MAX:
         raise ValueError(f"hysteresis must be an integer in [1, 2**31 - 1], got {number!r}")
     return number
 

@@ -1,0 +1,134 @@
+"""What a training loop asks a loss scaler: which leaf overflowed, and is the scale healthy.
+
+``nonfinite_leaves`` is jittable and answers per leaf; ``nonfinite_paths`` reads
+that answer on the host and names the leaves. ``scaler_metrics`` turns a
+:class:`ScalerState` into a dict of arrays for a logger, and
+``warn_if_unhealthy`` is the opt-in check made when such a dict is read, never
+inside the step.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxscale.core import _leaves
+from jaxscale.core._scaling import leaf_is_finite
+from jaxscale.core._state import ScalerState
+
+METRIC_NAMES = ("scale", "found_inf", "skipped_steps", "growth_tracker", "overflow_streak")
+
+
+class ScaleWarning(UserWarning):
+    """The loss scale left the range a run asked to be warned about."""
+
+
+def nonfinite_leaves(tree: Any) -> Any:
+    """A tree like ``tree`` with one boolean scalar per leaf: whether it holds an inf or NaN.
+
+    Non-floating leaves (integers, booleans, ``float0``) are ``False``; ``None``
+    stays ``None``. Jittable: log it, or pass it to :func:`nonfinite_paths` outside
+    ``jit`` to name the culprits.
+
+    >>> import jax.numpy as jnp
+    >>> from jaxscale import nonfinite_leaves
+    >>> nonfinite_leaves({"w": jnp.array([1.0, jnp.nan]), "b": jnp.ones(2), "n": jnp.int32(3)})
+    {'b': Array(False, dtype=bool), 'n': Array(False, dtype=bool), 'w': Array(True, dtype=bool)}
+    """
+
+    def check(path: Any, leaf: Any) -> jax.Array:
+        try:
+            floating = _leaves.is_floating(leaf)
+        except TypeError as error:
+            raise TypeError(f"leaf {jax.tree_util.keystr(path) or '<root>'}: {error}") from None
+        if not floating:
+            return jnp.asarray(False)
+        return jnp.logical_not(leaf_is_finite(leaf))
+
+    return jax.tree_util.tree_map_with_path(check, tree)
+
+
+def nonfinite_paths(tree: Any) -> list[str]:
+    """The paths (``jax.tree_util.keystr`` form) of the leaves of ``tree`` holding an inf or NaN.
+
+    ``tree`` is a tree of arrays (gradients, parameters, activations), or the
+    result of :func:`nonfinite_leaves` (a tree whose leaves are all booleans is
+    read as those flags). It runs on the host and reads the arrays,
+    so call it outside ``jit``: return the gradients (or their
+    ``nonfinite_leaves``) from the jitted step and ask here.
+
+    Raises:
+      TypeError: when called on traced values, inside ``jit``.
+
+    >>> import jax.numpy as jnp
+    >>> from jaxscale import nonfinite_paths
+    >>> grads = {"dense": {"kernel": jnp.array([1.0, jnp.inf]), "bias": jnp.zeros(2)}}
+    >>> nonfinite_paths(grads)
+    ["['dense']['kernel']"]
+    """
+    leaves = jax.tree_util.tree_leaves(tree)
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        raise TypeError(
+            "nonfinite_paths reads values on the host and cannot run inside jit; return "
+            "jaxscale.nonfinite_leaves(tree) from the jitted function and call it outside"
+        )
+    if leaves and all(getattr(leaf, "dtype", None) == np.bool_ for leaf in leaves):
+        flags = jax.device_get(tree)
+    else:
+        flags = jax.device_get(nonfinite_leaves(tree))
+    return [
+        jax.tree_util.keystr(path)
+        for path, flag in jax.tree_util.tree_flatten_with_path(flags)[0]
+        if bool(np.asarray(flag).any())
+    ]
+
+
+def scaler_metrics(state: ScalerState) -> dict[str, jax.Array]:
+    """The state's fields as a dict of arrays, for a logger; no host synchronisation."""
+    return {name: getattr(state, name) for name in METRIC_NAMES}
+
+
+def disabled_metrics() -> dict[str, jax.Array]:
+    """The metrics of a disabled scaler: scale 1, nothing found, nothing skipped."""
+    return {
+        "scale": jnp.float32(1.0),
+        "found_inf": jnp.asarray(False),
+        "skipped_steps": jnp.zeros((), jnp.int32),
+        "growth_tracker": jnp.zeros((), jnp.int32),
+        "overflow_streak": jnp.zeros((), jnp.int32),
+    }
+
+
+def warn_if_unhealthy(
+    metrics: dict[str, Any], warn_below: float | None, warn_above: float | None
+) -> None:
+    """Warn (:class:`ScaleWarning`) when the scale is below ``warn_below`` or at or above
+    ``warn_above``. Reads the scale on the host, so only with a threshold given and
+    only outside ``jit``; a traced scale with a threshold raises ``TypeError``."""
+    if warn_below is None and warn_above is None:
+        return
+    scale = metrics["scale"]
+    if isinstance(scale, jax.core.Tracer):
+        raise TypeError(
+            "warn_below/warn_above read the scale on the host; call metrics() with them "
+            "outside jit (inside jit, call it without thresholds and log the arrays)"
+        )
+    value = float(scale)
+    if warn_below is not None and value < warn_below:
+        warnings.warn(
+            f"the loss scale {value:g} is below {warn_below:g}: gradients have overflowed "
+            "on many recent steps (a NaN in the model or data, or a learning rate too high)",
+            ScaleWarning,
+            stacklevel=3,
+        )
+    if warn_above is not None and value >= warn_above:
+        warnings.warn(
+            f"the loss scale {value:g} is at or above {warn_above:g}: no overflow for a long "
+            "time; if this is max_scale the scale cannot grow further",
+            ScaleWarning,
+            stacklevel=3,
+        )
