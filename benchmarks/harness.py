@@ -121,9 +121,9 @@ def machine() -> dict[str, str]:
     }
 
 
-def table(results: list[Result], unit: str = "ms") -> str:
+def table(results: list[Result], unit: str = "ms", per: str = "step") -> str:
     scale = {"ms": 1e3, "us": 1e6}[unit]
-    lines = [f"| variant | median {unit}/step | ratio to baseline |", "|---|---|---|"]
+    lines = [f"| variant | median {unit}/{per} | ratio to baseline |", "|---|---|---|"]
     for r in results:
         ratio = "1 (baseline)" if r.ratio == 1.0 else f"{r.ratio:.3f}"
         lines.append(f"| {r.name} | {r.seconds * scale:.2f} | {ratio} |")

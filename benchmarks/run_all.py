@@ -2,6 +2,7 @@
 
     python -m benchmarks.run_all                    # CPU (PyTorch on the CPU too)
     python -m benchmarks.run_all --torch cuda       # on a GPU machine
+    python -m benchmarks.run_all --gpu-lowering     # only the lowering report, any machine
 
 Results go to ``benchmarks/results/<platform>-<device>.md``; copy the figures you
 trust into ``benchmarks/RESULTS.md``.
@@ -18,7 +19,14 @@ import re
 
 import jax
 
-from benchmarks import counts, optimizer_step, train_step, unscale_throughput
+from benchmarks import (
+    autocast_step,
+    counts,
+    lowering,
+    optimizer_step,
+    train_step,
+    unscale_throughput,
+)
 from benchmarks.harness import machine, table
 
 
@@ -36,6 +44,11 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
         "--layouts", nargs="+", default=["10M/50", "10M/500", "100M/50", "100M/500"]
     )
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument(
+        "--gpu-lowering",
+        action="store_true",
+        help="only lower the train steps for cuda, rocm and tpu and report what they run",
+    )
     args = parser.parse_args(argv)
 
     info = machine()
@@ -48,12 +61,20 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
         sections.append(f"## {title}\n\n{body.strip()}")
         print(f"\n## {title}\n\n{body.strip()}", flush=True)
 
+    _, text = capture(lowering.main, [])
+    emit("Train steps lowered for cuda, rocm and tpu (jax.export, no device needed)", text)
+    if args.gpu_lowering:
+        return _write(sections, "lowering")
+
     layouts = optimizer_step.main(
         ["--layouts", *args.layouts, "--repeats", str(args.repeats), "--torch", args.torch]
     )
     for layout, groups in layouts.items():
         for group, results in groups.items():
             emit(f"Optimizer step, {layout} parameters/leaves, {group}", table(results))
+    for group, results in autocast_step.main(["--repeats", str(args.repeats)]).items():
+        unit = {"per": "compile"} if group == "trace + compile" else {}
+        emit(f"Autocast vs hand-set float16 dtypes, {group}", table(results, **unit))
     groups = train_step.main(["--repeats", str(args.repeats)])
     for group, results in groups.items():
         emit(f"Full train step (float16 transformer), {group}", table(results))
@@ -62,8 +83,13 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
     _, text = capture(counts.main, [])
     emit("Counts: host transfers and recompilations over 1,000 steps", text)
 
+    return _write(sections, "all")
+
+
+def _write(sections: list[str], kind: str) -> pathlib.Path:
     device = re.sub(r"[^A-Za-z0-9]+", "-", jax.devices()[0].device_kind).strip("-").lower()
-    out = pathlib.Path(__file__).parent / "results" / f"{jax.default_backend()}-{device}.md"
+    suffix = "" if kind == "all" else f"-{kind}"
+    out = pathlib.Path(__file__).parent / "results" / f"{jax.default_backend()}-{device}{suffix}.md"
     out.parent.mkdir(exist_ok=True)
     out.write_text("\n\n".join(sections) + "\n")
     print(f"\nwritten: {out}")

@@ -1,7 +1,8 @@
 """Full train step overhead: forward, backward and Adam on a small float16 transformer.
 
-The model is the main example's character transformer (``examples/char_lm.py``)
-with float32 parameters and float16 compute. Every variant computes the same
+The model is the main example's character transformer (``examples/char_lm.py``),
+written in float32 and run under ``jaxscale.autocast`` (float16 matmuls, float32
+softmax, norms and loss), as the example trains it. Every variant computes the same
 loss on the same batch under ``jax.jit`` with the parameters and optimizer state
 donated; the baseline trains in float16 without any loss scaling. The NNX group
 compares ``nnx.Optimizer.update`` under ``nnx.jit`` with the same step driven by
@@ -30,6 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "example
 import char_lm
 
 LEARNING_RATE = 1e-3
+AUTOCAST_LOSS = jaxscale.autocast(char_lm.loss_fn)
 
 
 def model_and_batch(width: int, layers: int, batch: int, seq_len: int):
@@ -39,7 +41,6 @@ def model_and_batch(width: int, layers: int, batch: int, seq_len: int):
         width=width,
         layers=layers,
         heads=8,
-        dtype=jnp.float16,
         rngs=nnx.Rngs(0),
     )
     rng = np.random.default_rng(0)
@@ -52,7 +53,7 @@ def functional(model):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss(params, x, y):
-        return char_lm.loss_fn(nnx.merge(graphdef, params, rest), x, y)
+        return AUTOCAST_LOSS(nnx.merge(graphdef, params, rest), x, y)
 
     return loss, params
 
@@ -139,11 +140,11 @@ class NnxTrainStepper(Stepper):
 
         @nnx.jit
         def plain(model, optimizer, x, y):
-            optimizer.update(model, nnx.grad(char_lm.loss_fn)(model, x, y))
+            optimizer.update(model, nnx.grad(AUTOCAST_LOSS)(model, x, y))
 
         @nnx.jit
         def scaled(model, optimizer, scaler, x, y):
-            grads = nnx.grad(lambda m: scaler.scale(char_lm.loss_fn(m, x, y)))(model)
+            grads = nnx.grad(lambda m: scaler.scale(AUTOCAST_LOSS(m, x, y)))(model)
             scaler.step(optimizer, model, grads)
             scaler.update()
 

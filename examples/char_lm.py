@@ -1,9 +1,11 @@
 """A character-level transformer on Python's own documentation, trained in float16.
 
 The corpus is the text of Python's built-in help topics (``pydoc_data.topics``),
-which ships with every CPython, so nothing is downloaded. The model keeps its
-parameters in float32 and computes in float16 (``dtype=float16``,
-``param_dtype=float32``); layer norms, the softmax and the loss run in float32.
+which ships with every CPython, so nothing is downloaded. The model is written
+in plain float32, as a PyTorch model would be; mixed precision is the two lines
+of PyTorch's AMP loop: ``jaxscale.autocast`` runs the forward pass and the loss
+with PyTorch's autocast policy (matmuls in float16; layer norms, softmax and the
+loss in float32), and ``jaxscale.GradScaler`` scales the loss.
 
 Why loss scaling matters here: in data-parallel training the loss is the mean
 over the *global* batch, so every device back-propagates per-token gradients of
@@ -22,7 +24,6 @@ import math
 import pydoc_data.topics
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,9 +70,9 @@ class Dataset:
 
 
 class CausalSelfAttention(nnx.Module):
-    def __init__(self, width: int, heads: int, dtype: Any, rngs: nnx.Rngs):
-        self.qkv = nnx.Linear(width, 3 * width, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-        self.out = nnx.Linear(width, width, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    def __init__(self, width: int, heads: int, rngs: nnx.Rngs):
+        self.qkv = nnx.Linear(width, 3 * width, rngs=rngs)
+        self.out = nnx.Linear(width, width, rngs=rngs)
         self.heads = heads
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -79,59 +80,47 @@ class CausalSelfAttention(nnx.Module):
         head_width = width // self.heads
         qkv = self.qkv(x).reshape(batch, length, 3, self.heads, head_width)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(head_width)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_width)
         causal = jnp.tril(jnp.ones((length, length), bool))[None, None]
-        weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1).astype(x.dtype)
+        weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
         return self.out(jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, length, width))
 
 
 class Block(nnx.Module):
-    def __init__(self, width: int, heads: int, dtype: Any, rngs: nnx.Rngs):
+    def __init__(self, width: int, heads: int, rngs: nnx.Rngs):
         self.norm1 = nnx.LayerNorm(width, rngs=rngs)
-        self.attention = CausalSelfAttention(width, heads, dtype, rngs)
+        self.attention = CausalSelfAttention(width, heads, rngs)
         self.norm2 = nnx.LayerNorm(width, rngs=rngs)
-        self.up = nnx.Linear(width, 4 * width, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-        self.down = nnx.Linear(4 * width, width, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.up = nnx.Linear(width, 4 * width, rngs=rngs)
+        self.down = nnx.Linear(4 * width, width, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        # layer norms in float32, everything else in the compute dtype
-        x = x + self.attention(self.norm1(x.astype(jnp.float32)).astype(x.dtype))
-        return x + self.down(
-            jax.nn.gelu(self.up(self.norm2(x.astype(jnp.float32)).astype(x.dtype)))
-        )
+        x = x + self.attention(self.norm1(x))
+        # exact gelu, PyTorch's default (the tanh form computes x ** 3, a float32 pow)
+        return x + self.down(jax.nn.gelu(self.up(self.norm2(x)), approximate=False))
 
 
 class CharTransformer(nnx.Module):
-    """A small GPT-style model with float32 parameters and ``dtype`` compute."""
+    """A small GPT-style model, written in float32 (no dtype anywhere)."""
 
-    def __init__(
-        self,
-        vocab: int,
-        seq_len: int,
-        width: int,
-        layers: int,
-        heads: int,
-        dtype: Any,
-        rngs: nnx.Rngs,
-    ):
-        self.embed = nnx.Embed(vocab, width, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    def __init__(self, vocab: int, seq_len: int, width: int, layers: int, heads: int,
+                 rngs: nnx.Rngs):  # fmt: skip
+        self.embed = nnx.Embed(vocab, width, rngs=rngs)
         self.position = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq_len, width)))
-        self.blocks = nnx.List([Block(width, heads, dtype, rngs) for _ in range(layers)])
+        self.blocks = nnx.List([Block(width, heads, rngs) for _ in range(layers)])
         self.norm = nnx.LayerNorm(width, rngs=rngs)
-        self.head = nnx.Linear(width, vocab, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-        self.dtype = dtype
+        self.head = nnx.Linear(width, vocab, rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        x = self.embed(tokens) + self.position[...][: tokens.shape[1]].astype(self.dtype)
+        x = self.embed(tokens) + self.position[...][: tokens.shape[1]]
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x.astype(jnp.float32)).astype(self.dtype))
+        return self.head(self.norm(x))
 
 
 def loss_fn(model: CharTransformer, x: jax.Array, y: jax.Array) -> jax.Array:
-    """Mean next-character cross-entropy, computed in float32."""
-    logits = model(x).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    """Mean next-character cross-entropy (float32 under autocast too: a loss is on its list)."""
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,15 +146,16 @@ class Config:
         return "float16 + jaxscale" if self.scaler else "float16, no loss scaling"
 
     @property
-    def dtype(self) -> Any:
-        return {"float32": jnp.float32, "float16": jnp.float16}[self.precision]
+    def forward(self) -> Callable[..., jax.Array]:
+        """The loss as the training step computes it: under autocast for float16."""
+        return jaxscale.autocast(loss_fn) if self.precision == "float16" else loss_fn
 
 
 def build(
     config: Config, dataset: Dataset
 ) -> tuple[CharTransformer, nnx.Optimizer, jaxscale.GradScaler]:
     model = CharTransformer(
-        len(dataset.chars), config.seq_len, config.width, config.layers, config.heads, config.dtype,
+        len(dataset.chars), config.seq_len, config.width, config.layers, config.heads,
         nnx.Rngs(config.seed),
     )  # fmt: skip
     optimizer = nnx.Optimizer(model, optax.adam(config.learning_rate), wrt=nnx.Param)
@@ -177,12 +167,13 @@ def build(
     return model, optimizer, scaler
 
 
-def make_train_step(devices: int) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
-    # Donating the model, optimizer and scaler lets XLA update them in place.
-    @nnx.jit(donate_argnums=(0, 1, 2))
+def train_step_body(config: Config) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
+    """One PyTorch-style AMP iteration on the model, optimizer and scaler (not yet jitted)."""
+    forward, devices = config.forward, config.devices
+
     def train_step(model, optimizer, scaler, x, y):
         def scaled_loss(model):
-            loss = loss_fn(model, x, y)
+            loss = forward(model, x, y)  # PyTorch: with torch.autocast("cuda"): loss = ...
             return scaler.scale(loss / devices), loss  # this device's share of the global mean
 
         grads, loss = nnx.grad(scaled_loss, has_aux=True)(model)
@@ -196,11 +187,17 @@ def make_train_step(devices: int) -> Callable[..., tuple[jax.Array, jax.Array, j
     return train_step
 
 
-@nnx.jit
+def make_train_step(config: Config) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
+    # Donating the model, optimizer and scaler lets XLA update them in place.
+    return nnx.jit(train_step_body(config), donate_argnums=(0, 1, 2))
+
+
+@nnx.jit(static_argnums=3)
 def evaluate_batch(
-    model: CharTransformer, x: jax.Array, y: jax.Array
+    model: CharTransformer, x: jax.Array, y: jax.Array, precision: str
 ) -> tuple[jax.Array, jax.Array]:
-    logits = model(x).astype(jnp.float32)
+    apply = jaxscale.autocast(model) if precision == "float16" else model
+    logits = apply(x).astype(jnp.float32)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return loss, jnp.mean(logits.argmax(-1) == y)
 
@@ -210,7 +207,7 @@ def evaluate(
 ) -> tuple[float, float]:
     """Validation loss and next-character accuracy on held-out text."""
     stream = dataset.batches("val", 64, config.seq_len, seed=1234)
-    results = [evaluate_batch(model, *next(stream)) for _ in range(batches)]
+    results = [evaluate_batch(model, *next(stream), config.precision) for _ in range(batches)]
     return float(np.mean([r[0] for r in results])), float(np.mean([r[1] for r in results]))
 
 
@@ -229,7 +226,7 @@ def train(
     """Train one configuration; returns the model, its history and a summary."""
     dataset = dataset or Dataset.load()
     model, optimizer, scaler = build(config, dataset)
-    train_step = make_train_step(config.devices)
+    train_step = make_train_step(config)
     stream = dataset.batches("train", config.batch_size, config.seq_len, seed=config.seed)
     history = History()
     pending: list[tuple[jax.Array, jax.Array, jax.Array]] = []
@@ -261,14 +258,14 @@ def train(
 def sample(
     model: CharTransformer, dataset: Dataset, prompt: str, length: int, seq_len: int, seed: int = 0
 ) -> str:
-    """Sample ``length`` characters after ``prompt`` (temperature 0.8)."""
+    """Sample ``length`` characters after ``prompt`` (temperature 0.8), under autocast."""
     index = {c: i for i, c in enumerate(dataset.chars)}
     tokens = [index[c] for c in prompt if c in index]
     key = jax.random.key(seed)
 
     @nnx.jit
     def next_logits(model, window):
-        return model(window)[0, -1].astype(jnp.float32)
+        return jaxscale.autocast(model)(window)[0, -1].astype(jnp.float32)
 
     for _ in range(length):
         window = np.array(tokens[-seq_len:], np.int32)
@@ -285,29 +282,18 @@ def underflow_fractions(
 ) -> dict[str, float]:
     """The share of gradient elements that float16 flushes to zero, unscaled and scaled.
 
-    Builds float32 and float16 twins of ``model`` (same parameters) and takes the
-    gradient of this device's share of the loss (``loss / devices``) on one batch.
-    An element counts as underflowed when the float32 gradient is nonzero and the
-    float16 gradient is exactly zero.
+    Takes the gradient of this device's share of the loss (``loss / devices``) on
+    one batch, in float32 and under autocast (whose backward matmuls run in
+    float16). An element counts as underflowed when the float32 gradient is
+    nonzero and the autocast gradient is exactly zero.
     """
     x, y = next(dataset.batches("train", config.batch_size, config.seq_len, seed=999))
-    params = nnx.state(model, nnx.Param)
 
-    def grads_in(dtype: Any, loss_scale: float) -> list[np.ndarray]:
-        twin = CharTransformer(
-            len(dataset.chars),
-            config.seq_len,
-            config.width,
-            config.layers,
-            config.heads,
-            dtype,
-            nnx.Rngs(0),
-        )
-        nnx.update(twin, params)
-        grads = nnx.grad(lambda m: loss_fn(m, x, y) / config.devices * loss_scale)(twin)
+    def grads_in(forward: Callable[..., jax.Array], loss_scale: float) -> list[np.ndarray]:
+        grads = nnx.grad(lambda m: forward(m, x, y) / config.devices * loss_scale)(model)
         return [np.asarray(g) for g in jax.tree.leaves(grads)]
 
-    reference = grads_in(jnp.float32, 1.0)
+    reference = grads_in(loss_fn, 1.0)
     nonzero = sum(int((g != 0).sum()) for g in reference)
 
     def fraction(grads: list[np.ndarray]) -> float:
@@ -317,6 +303,6 @@ def underflow_fractions(
         return flushed / nonzero
 
     return {
-        "underflow_unscaled": fraction(grads_in(jnp.float16, 1.0)),
-        "underflow_scaled": fraction(grads_in(jnp.float16, scale)),
+        "underflow_unscaled": fraction(grads_in(jaxscale.autocast(loss_fn), 1.0)),
+        "underflow_scaled": fraction(grads_in(jaxscale.autocast(loss_fn), scale)),
     }

@@ -40,9 +40,8 @@ def clip_by_global_norm(grads, max_norm):
 
 
 def train(config, data, use_facade: bool) -> tuple[float, float]:
-    model = char_lm.CharTransformer(
-        len(data.chars), config.seq_len, 64, 1, 4, jnp.float16, nnx.Rngs(0)
-    )
+    model = char_lm.CharTransformer(len(data.chars), config.seq_len, 64, 1, 4, nnx.Rngs(0))
+    loss_fn = jaxscale.autocast(char_lm.loss_fn)  # float16 matmuls, float32 loss
     if use_facade:
         optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
         scaler = jaxscale.GradScaler(growth_interval=50)
@@ -55,7 +54,7 @@ def train(config, data, use_facade: bool) -> tuple[float, float]:
 
     @nnx.jit
     def facade_step(model, optimizer, scaler, x, y):
-        grads = nnx.grad(lambda m: scaler.scale(char_lm.loss_fn(m, x, y)))(model)
+        grads = nnx.grad(lambda m: scaler.scale(loss_fn(m, x, y)))(model)
         grads = scaler.unscale_(optimizer, grads)  # true gradients from here on
         grads, norm = clip_by_global_norm(grads, MAX_NORM)
         scaler.step(optimizer, model, grads)  # uses the inf/NaN check made by unscale_
@@ -65,7 +64,7 @@ def train(config, data, use_facade: bool) -> tuple[float, float]:
     @nnx.jit
     def transform_step(model, optimizer, x, y):
         def scaled_loss(m):
-            return jaxscale.scale(char_lm.loss_fn(m, x, y), optimizer.opt_state)
+            return jaxscale.scale(loss_fn(m, x, y), optimizer.opt_state)
 
         grads = nnx.grad(scaled_loss)(model)
         true_norm = global_norm(grads) / jaxscale.get_scale(optimizer.opt_state)

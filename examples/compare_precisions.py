@@ -1,8 +1,9 @@
 """float32, float16 without loss scaling, and float16 with jaxscale, side by side.
 
 Trains the character-level transformer of ``char_lm.py`` three times on the same
-data and reports, for each, the final losses, the next-character accuracy on
-held-out text and the share of gradient elements that float16 flushes to zero.
+data (float16 means ``jaxscale.autocast``, PyTorch's autocast policy) and reports,
+for each, the final losses, the next-character accuracy on held-out text and the
+share of gradient elements that float16 flushes to zero.
 Writes a markdown table and a plot of the three loss curves.
 
     python examples/compare_precisions.py                  # as one of 256 devices

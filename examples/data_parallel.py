@@ -31,6 +31,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+import jaxscale
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import char_lm
@@ -40,7 +42,7 @@ from train_char_lm import ProgressBar
 @nnx.jit(donate_argnums=(0, 1, 2))
 def train_step(model, optimizer, scaler, x, y):
     def scaled_loss(model):
-        loss = char_lm.loss_fn(model, x, y)  # the global mean over the sharded batch
+        loss = jaxscale.autocast(char_lm.loss_fn)(model, x, y)  # the global mean, float16 matmuls
         return scaler.scale(loss), loss
 
     grads, loss = nnx.grad(scaled_loss, has_aux=True)(model)

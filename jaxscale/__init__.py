@@ -1,13 +1,15 @@
 """jaxscale: PyTorch's automatic mixed precision for JAX.
 
-Three layers, each usable on its own: :mod:`jaxscale.core` (pure functions on a
-:class:`ScalerState`), :mod:`jaxscale.transform` (the Optax transform
-:func:`grad_scaler`) and :mod:`jaxscale.facade` (PyTorch's :class:`GradScaler`
-for Flax loops).
+Loss scaling in three layers, each usable on its own: :mod:`jaxscale.core` (pure
+functions on a :class:`ScalerState`), :mod:`jaxscale.transform` (the Optax
+transform :func:`grad_scaler`) and :mod:`jaxscale.facade` (PyTorch's
+:class:`GradScaler` for Flax loops); and :mod:`jaxscale.casting`, whose
+:func:`autocast` is PyTorch's op-level autocast as a function transform.
 """
 
 from typing import TYPE_CHECKING, Any
 
+from jaxscale.casting import autocast as autocast
 from jaxscale.core import ScalerState as ScalerState
 from jaxscale.core import ScaleWarning as ScaleWarning
 from jaxscale.core import all_finite as all_finite
@@ -39,6 +41,7 @@ __all__ = [
     "ScalerVariable",
     "__version__",
     "all_finite",
+    "autocast",
     "found_inf",
     "get_scale",
     "grad_scaler",

@@ -27,6 +27,7 @@ LIBRARIES_KEPT_OUT = {
     "core": ("optax", "flax"),
     "transform": ("flax",),
     "facade": (),
+    "casting": ("optax", "flax"),
 }
 
 

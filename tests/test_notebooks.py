@@ -10,7 +10,12 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 
 
 def test_the_notebooks_exist():
-    assert [p.stem for p in NOTEBOOKS] == ["porting_pytorch_amp", "quickstart", "why_loss_scaling"]
+    assert [p.stem for p in NOTEBOOKS] == [
+        "autocast",
+        "porting_pytorch_amp",
+        "quickstart",
+        "why_loss_scaling",
+    ]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

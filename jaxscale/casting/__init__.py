@@ -1,0 +1,12 @@
+"""Casting: PyTorch's op-level autocast as a JAX function transform (jax only).
+
+:func:`autocast` traces a function to a jaxpr and evaluates it anew with PyTorch's
+CUDA autocast policy, the table :data:`POLICY` from primitive to precision.
+"""
+
+from jaxscale.casting._autocast import autocast as autocast
+from jaxscale.casting._policy import POLICY as POLICY
+from jaxscale.casting._policy import Precision as Precision
+from jaxscale.casting._policy import Row as Row
+
+__all__ = ["POLICY", "Precision", "Row", "autocast"]

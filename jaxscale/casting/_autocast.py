@@ -1,0 +1,131 @@
+"""``autocast``: PyTorch's ``torch.autocast`` as a JAX function transform."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxscale.casting import _higher_order  # noqa: F401  (registers the higher-order rules)
+from jaxscale.casting._interpreter import MARKER, Autocaster, cast_floating
+from jaxscale.casting._state import StatefulCall
+from jaxscale.core import validation
+
+F = TypeVar("F", bound=Callable[..., Any])
+_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+
+@overload
+def autocast(fn: F, *, dtype: Any = ..., enabled: bool = ...) -> F: ...
+@overload
+def autocast(fn: None = None, *, dtype: Any = ..., enabled: bool = ...) -> Callable[[F], F]: ...
+
+
+def autocast(
+    fn: Callable[..., Any] | None = None, *, dtype: Any = jnp.float16, enabled: bool = True
+) -> Any:
+    """Run ``fn`` with PyTorch's CUDA autocast policy: ``with torch.autocast("cuda"):``.
+
+    ``autocast(fn)`` returns a function that computes what ``fn`` computes, with
+    each operation in the precision PyTorch's autocast gives it:
+
+    * matmuls and convolutions (``dot_general``, ``conv_general_dilated``: ``@``,
+      ``einsum``, ``nnx.Linear``, ``nnx.Conv``, attention) run in ``dtype``, and a
+      bias added to their output stays in ``dtype``, as PyTorch's ``linear`` and
+      ``conv`` include their bias;
+    * exponentials, logarithms, powers, ``rsqrt``, sums and products run in
+      float32, so softmax, log-softmax, layer and group norm, cross entropy and
+      MSE give float32 results;
+    * everything else runs in its inputs' dtype, the widest when they differ (a
+      scalar does not widen an array).
+
+    The table is :data:`jaxscale.casting.POLICY`. Integer, boolean and key values
+    are never cast, and parameters keep their dtype: the casts are inside the
+    computation, so gradients come back in the parameters' dtype, and the
+    backward matmuls run in ``dtype`` too. ``fn`` is traced once per call to a
+    jaxpr and evaluated anew with the casts (inside ``jit`` this happens while
+    tracing: it compiles once and costs nothing at run time). It reaches inside
+    nested ``jit``, ``scan`` (and ``nnx.scan``), ``while_loop``/``fori_loop``,
+    ``cond``/``switch``, ``checkpoint`` (``nnx.remat``), ``custom_jvp`` and
+    ``custom_vjp`` (whose rules are kept) and ``shard_map``; a higher-order
+    primitive it does not know raises ``NotImplementedError`` naming it.
+
+    ``fn`` may be any callable: a function, a Flax NNX module
+    (``autocast(model)(x)``) or a bound method. NNX state the call writes
+    (BatchNorm statistics, RNG counters) lands in the module as without
+    autocast, in the module's dtypes. ``autocast(g, enabled=False)`` called
+    inside an autocast function runs ``g`` as traced, without casts: PyTorch's
+    nested ``with autocast(enabled=False):``.
+
+    Args:
+      fn: the function to transform; omit it to get a decorator.
+      dtype: ``jnp.float16`` (the default, PyTorch's ``"cuda"`` default) or
+        ``jnp.bfloat16``.
+      enabled: if False, ``fn`` runs as written.
+
+    Returns:
+      The transformed function, or a decorator when ``fn`` is omitted.
+
+    Raises:
+      ValueError: for a ``dtype`` other than float16 or bfloat16.
+      TypeError: for a ``fn`` that is not callable, or a ``dtype`` that is no dtype.
+
+    >>> import jax.numpy as jnp, jaxscale
+    >>> def layer(w, x):
+    ...     return jnp.tanh(x @ w), jnp.sum(x @ w)
+    >>> out, total = jaxscale.autocast(layer)(jnp.ones((4, 4)), jnp.ones((2, 4)))
+    >>> out.dtype, total.dtype
+    (dtype('float16'), dtype('float32'))
+    >>> @jaxscale.autocast(dtype=jnp.bfloat16)
+    ... def project(w, x):
+    ...     return x @ w
+    >>> project(jnp.ones((4, 4)), jnp.ones((2, 4))).dtype
+    dtype(bfloat16)
+    """
+    dtype = _validated_dtype(dtype)
+    validation.as_bool("enabled", enabled)
+    if fn is None:
+        return functools.partial(autocast, dtype=dtype, enabled=enabled)
+    if not callable(fn):
+        raise TypeError(f"autocast expects a callable, got {type(fn).__name__} {fn!r}")
+    scope = f"{MARKER}[{dtype.name if enabled else 'disabled'}]"
+
+    @functools.wraps(fn)
+    def autocast_fn(*args: Any, **kwargs: Any) -> Any:
+        with jax.named_scope(scope):
+            if not enabled:
+                return fn(*args, **kwargs)
+            return _run(Autocaster(dtype), fn, args, kwargs)
+
+    return autocast_fn
+
+
+def _run(
+    autocaster: Autocaster, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    call = StatefulCall(fn, args, kwargs)
+    closed, (out_shape, state_shape) = jax.make_jaxpr(call.call_with, return_shape=True)(
+        call.state_leaves, call.array_leaves
+    )
+    outs = autocaster.run(closed, [*call.state_leaves, *call.array_leaves])
+    out_leaves, out_tree = jax.tree.flatten(out_shape)
+    results, new_state = outs[: len(out_leaves)], outs[len(out_leaves) :]
+    # state written by the call goes back in the dtypes it was traced with
+    call.write_back(cast_floating(new_state, [s.dtype for s in state_shape]))
+    return jax.tree.unflatten(out_tree, results)
+
+
+def _validated_dtype(dtype: Any) -> np.dtype:
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(
+            f"autocast dtype must be jnp.float16 or jnp.bfloat16, got {dtype!r}"
+        ) from None
+    if resolved not in _DTYPES:
+        raise ValueError(f"autocast dtype must be float16 or bfloat16, got {resolved.name}")
+    return resolved

@@ -1,0 +1,94 @@
+"""What a GPU will run, checked without one: train steps lowered for CUDA, ROCm and TPU.
+
+``jax.export`` lowers a jitted step for another platform on this CPU machine; the
+StableHLO module is what the accelerator would compile. On a GPU a ``while`` or a
+conditional on data copies its predicate to the host every step, so the GPU
+lowerings must have neither; no step may call back to the host; a step without
+autocast converts no arrays between dtypes; and autocast's matmuls are float16.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import third_party
+
+from benchmarks import lowering
+
+GPUS = ["cuda", "rocm"]
+STEPS = list(lowering.STEPS)
+
+
+def lowered(name, platform):
+    with third_party.standard_promotion():  # the steps run optax's and flax's own code
+        return lowering.lowered(name, platform)
+
+
+@pytest.mark.parametrize("platform", [*GPUS, "tpu"])
+@pytest.mark.parametrize("name", STEPS)
+def test_no_host_synchronisation_in_any_step(name, platform):
+    result = lowered(name, platform)
+    assert result.data_conditionals == 0, result
+    assert result.host_transfers == 0, result
+    if platform in GPUS:
+        assert result.loops == 0, result  # a select, not a loop, skips the step on GPU
+    else:
+        assert result.loops == 1, result  # on TPU the skip is a loop: in place, on device
+
+
+@pytest.mark.parametrize("name", [n for n in STEPS if "autocast" not in n])
+def test_loss_scaling_alone_converts_no_array(name):
+    result = lowered(name, "cuda")
+    assert result.array_converts == 0, result
+    assert set(result.matmul_dtypes) == {"f32 x f32 -> f32"}
+
+
+def test_the_main_example_runs_every_matmul_in_float16_on_the_gpu():
+    result = lowered("main example: autocast + GradScaler", "cuda")
+    assert result.matmul_dtypes == {"f16 x f16 -> f16": 39}  # 13 forward, 26 backward
+    assert result.array_converts > 0  # the casts autocast inserted
+
+
+# -- the analysis can fail: each thing it looks for is found when it is there ----------------
+
+
+def lower(fn, *args, platform="cuda"):
+    return lowering.analyse(
+        jax.export.export(jax.jit(fn), platforms=[platform])(*args).mlir_module()
+    )
+
+
+def test_a_conditional_on_data_is_found():
+    result = lower(lambda x: jax.lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x), jnp.ones(3))
+    assert result.data_conditionals == 1
+
+
+def test_a_loop_is_found():
+    result = lower(lambda x: jax.lax.while_loop(lambda c: c.sum() < 10, lambda c: c * 2, x),
+                   jnp.ones(3))  # fmt: skip
+    assert result.loops == 1
+
+
+def test_a_host_callback_is_found():
+    def fn(x):
+        return jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    # jax.export refuses host callbacks outright ("serialization of host_callbacks is not
+    # yet implemented"), so an exported step cannot hold one; lowered for this CPU, found
+    module = jax.jit(fn).lower(jnp.ones(3)).as_text()
+    assert lowering.analyse(module).host_transfers == 1
+
+
+def test_array_converts_and_matmul_dtypes_are_counted():
+    result = lower(lambda a: a.astype(jnp.float16) @ a.astype(jnp.float16), jnp.ones((4, 4)))
+    assert result.array_converts == 2  # one per operand (XLA merges them later)
+    assert result.converted_elements == 32
+    assert result.matmul_dtypes == {"f16 x f16 -> f16": 1}
+
+
+def test_constant_conditionals_are_not_counted_as_data():
+    result = lower(lambda x: jax.lax.platform_dependent(x, cuda=jnp.sin, default=jnp.cos),
+                   jnp.ones(3))  # fmt: skip
+    assert result.data_conditionals == 0
