@@ -143,9 +143,7 @@ def _mse(model: Any, x: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def _clip(grads: Any, max_norm: float = 1.0) -> Any:
-    norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
-    factor = jnp.minimum(jnp.float32(1.0), max_norm / (norm + 1e-6))
-    return jax.tree.map(lambda g: g * factor, grads)
+    return optax.clip_by_global_norm(max_norm).update(grads, optax.EmptyState())[0]
 
 
 def _split_step(objects: Any, body: Callable[..., None]) -> tuple[Callable[..., Any], tuple]:

@@ -15,10 +15,10 @@ import argparse
 import pathlib
 import sys
 
-import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.flatten_util import ravel_pytree
 
 import jaxscale
 
@@ -28,15 +28,15 @@ import char_lm
 MAX_NORM = 0.5
 
 
-def global_norm(grads):
-    return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
-
-
 def clip_by_global_norm(grads, max_norm):
-    """torch.nn.utils.clip_grad_norm_: returns the clipped gradients and the norm before."""
-    norm = global_norm(grads)
-    factor = jnp.minimum(1.0, max_norm / (norm + 1e-6))
-    return jax.tree.map(lambda g: g * factor, grads), norm
+    """Optax's clipping applied to a gradient tree; returns the clipped gradients and the
+    norm before clipping (as ``torch.nn.utils.clip_grad_norm_`` does)."""
+    clipped, _ = optax.clip_by_global_norm(max_norm).update(grads, optax.EmptyState())
+    return clipped, global_norm(grads)
+
+
+def global_norm(grads):
+    return jnp.linalg.norm(ravel_pytree(grads)[0])
 
 
 def train(config, data, use_facade: bool) -> tuple[float, float]:

@@ -36,7 +36,7 @@ import jaxscale
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import char_lm
-from train_char_lm import ProgressBar
+from tqdm import tqdm
 
 
 @nnx.jit(donate_argnums=(0, 1, 2))
@@ -73,18 +73,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     print(f"{len(devices)} devices ({devices[0].platform}), global batch {args.batch_size}")
     batches = dataset.batches("train", args.batch_size, config.seq_len, seed=0)
-    progress = ProgressBar(args.steps)
     loss = float("nan")
-    for step in range(1, args.steps + 1):
-        x, y = (jax.device_put(a, batch_sharding) for a in next(batches))
-        loss_array, metrics = train_step(model, optimizer, scaler, x, y)
-        if step % 10 == 0 or step == args.steps:  # reading values back waits for the step
-            loss = float(loss_array)
-            text = (
-                f"loss {loss:.3f}  scale {float(metrics['scale']):.0f}  "
-                f"skipped {int(metrics['skipped_steps'])}"
-            )
-            progress.update(step, text)
+    with tqdm(total=args.steps, unit="step") as progress:
+        for step in range(1, args.steps + 1):
+            x, y = (jax.device_put(a, batch_sharding) for a in next(batches))
+            loss_array, metrics = train_step(model, optimizer, scaler, x, y)
+            progress.update()
+            if step % 10 == 0 or step == args.steps:  # reading values back waits for the step
+                loss = float(loss_array)
+                progress.set_postfix_str(
+                    f"loss {loss:.3f}, scale {float(metrics['scale']):.0f}, "
+                    f"skipped {int(metrics['skipped_steps'])}"
+                )
 
     # The scale and growth tracker: one replicated value, equal on every device.
     scaler_arrays = jax.tree.leaves(nnx.state(scaler))

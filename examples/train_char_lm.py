@@ -17,29 +17,12 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-import time
+
+from tqdm import tqdm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import char_lm
-
-
-class ProgressBar:
-    """A one-line progress bar on stderr: no dependency, redrawn in place."""
-
-    def __init__(self, total: int, width: int = 30):
-        self.total, self.width, self.start = total, width, time.perf_counter()
-
-    def update(self, done: int, text: str) -> None:
-        filled = int(self.width * done / self.total)
-        elapsed = time.perf_counter() - self.start
-        rate = done / elapsed if elapsed > 0 else 0.0
-        bar = "#" * filled + "-" * (self.width - filled)
-        line = f"\r[{bar}] {done}/{self.total}  {text}  {rate:.1f} steps/s"
-        sys.stderr.write(line)
-        if done == self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
 
 
 def plot(history: char_lm.History, path: pathlib.Path, title: str) -> None:
@@ -103,17 +86,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     print(f"Training: {config.label}; {config.steps} steps of {config.batch_size}x{config.seq_len} "
           f"characters, as one of {config.devices} data-parallel devices")  # fmt: skip
-    bar = ProgressBar(config.steps)
+    bar = tqdm(total=config.steps, unit="step")
 
     def report(step: int, history: char_lm.History) -> None:
-        bar.update(
-            step,
-            f"loss {history.loss[-1]:.3f}  scale {history.scale[-1]:g}  "
-            f"skipped {sum(history.skipped)}",
+        bar.update(step - bar.n)
+        bar.set_postfix_str(
+            f"loss {history.loss[-1]:.3f}, scale {history.scale[-1]:g}, "
+            f"skipped {sum(history.skipped)}"
         )
 
     dataset = char_lm.Dataset.load()
     model, history, summary = char_lm.train(config, dataset, on_step=report)
+    bar.close()
     plot(history, args.plot, f"{config.label}: character LM on Python's documentation")
 
     print("\nSummary")

@@ -7,8 +7,6 @@ transform :func:`grad_scaler`) and :mod:`jaxscale.facade` (PyTorch's
 :func:`autocast` is PyTorch's op-level autocast as a function transform.
 """
 
-from typing import TYPE_CHECKING, Any
-
 from jaxscale.casting import autocast as autocast
 from jaxscale.core import ScalerState as ScalerState
 from jaxscale.core import ScaleWarning as ScaleWarning
@@ -19,6 +17,8 @@ from jaxscale.core import nonfinite_paths as nonfinite_paths
 from jaxscale.core import scale_outputs as scale_outputs
 from jaxscale.core import unscale_and_check as unscale_and_check
 from jaxscale.core import update_scale as update_scale
+from jaxscale.facade import GradScaler as GradScaler
+from jaxscale.facade import ScalerVariable as ScalerVariable
 from jaxscale.transform import GradScalerState as GradScalerState
 from jaxscale.transform import found_inf as found_inf
 from jaxscale.transform import get_scale as get_scale
@@ -26,10 +26,6 @@ from jaxscale.transform import grad_scaler as grad_scaler
 from jaxscale.transform import metrics as metrics
 from jaxscale.transform import scale as scale
 from jaxscale.transform import skipped_steps as skipped_steps
-
-if TYPE_CHECKING:
-    from jaxscale.facade import GradScaler as GradScaler
-    from jaxscale.facade import ScalerVariable as ScalerVariable
 
 __version__ = "0.1.0"
 
@@ -55,19 +51,3 @@ __all__ = [
     "unscale_and_check",
     "update_scale",
 ]
-
-_FACADE = ("GradScaler", "ScalerVariable")
-
-
-def __getattr__(name: str) -> Any:
-    # The facade needs flax; importing it on first use keeps the core and the Optax
-    # transform importable without flax.
-    if name in _FACADE:
-        from jaxscale import facade
-
-        return getattr(facade, name)
-    raise AttributeError(f"module 'jaxscale' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))

@@ -53,3 +53,15 @@ def test_readme_python_blocks_run(index, capsys):
     # README code is user code: it runs under JAX's default (standard) promotion.
     with third_party.standard_promotion():
         exec(compile(readme_python_blocks()[index], f"README.md block {index}", "exec"), {})
+
+
+def test_the_api_reference_lists_every_public_name():
+    api = (ROOT / "docs" / "api.rst").read_text()
+    documented = set(re.findall(r"^\.\. auto\w+:: jaxscale\.(\w+)\s*$", api, flags=re.MULTILINE))
+    assert documented == set(jaxscale.__all__) - {"__version__"}
+
+
+def test_the_readme_gives_one_command_that_builds_the_docs():
+    assert 'pip install -e ".[docs]" && sphinx-build -W -b html docs docs/_build/html' in (
+        ROOT / "README.md"
+    ).read_text()

@@ -55,11 +55,11 @@ def _inline_call(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: l
 @_register("scan")
 def _scan(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
     params = eqn.params
-    body, num_consts, num_carry = params["jaxpr"], params["num_consts"], params["num_carry"]
-    consts = invals[:num_consts]
-    carry_dtypes = [a.dtype for a in body.in_avals[num_consts : num_consts + num_carry]]
-    init = cast_floating(invals[num_consts : num_consts + num_carry], carry_dtypes)
-    xs = invals[num_consts + num_carry :]
+    body = params["jaxpr"]
+    consts, init, xs = _scan_operands(params, invals)
+    num_carry = len(init)
+    carry_dtypes = [a.dtype for a in _scan_operands(params, body.in_avals)[1]]
+    init = cast_floating(init, carry_dtypes)
 
     def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
         outs = autocaster.run(body, [*consts, *carry, *x])
@@ -74,6 +74,24 @@ def _scan(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag
         unroll=params["unroll"],
     )
     return [*carry, *ys], []
+
+
+def _scan_operands(params: dict[str, Any], values: Sequence[Any]) -> tuple[list, list, list]:
+    """A scan's operands (or its body's inputs) as ``(consts, carry, xs)``.
+
+    JAX up to 0.11 records the group sizes as ``num_consts``/``num_carry``; later
+    versions record a flat tree, ``ft_in``, that splits them.
+    """
+    if "ft_in" in params:
+        consts, carry, xs = params["ft_in"].update(list(values)).unpack()
+        return list(consts), list(carry), list(xs)
+    num_consts, num_carry = params["num_consts"], params["num_carry"]
+    values = list(values)
+    return (
+        values[:num_consts],
+        values[num_consts : num_consts + num_carry],
+        values[num_consts + num_carry :],
+    )
 
 
 @_register("while")
@@ -189,7 +207,14 @@ def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
     zero_outputs: list[bool] = []
 
     def backward(*args: Any) -> list[Any]:
-        outs = list(bwd.call_wrapped(*args))
+        outs = bwd.call_wrapped(*args)
+        if (
+            len(outs) == 2
+            and isinstance(outs[0], (list, tuple))
+            and not isinstance(outs[1], jax.Array | jax.core.Tracer)
+        ):
+            outs = outs[0]  # JAX 0.12 and later return (cotangents, backward-pass logs)
+        outs = list(outs)
         zero_outputs[:] = [not hasattr(o, "shape") or type(o).__name__ == "Zero" for o in outs]
         return [o for o, zero in zip(outs, zero_outputs, strict=True) if not zero]
 
