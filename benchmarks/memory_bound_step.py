@@ -62,7 +62,8 @@ def _users_of_run_unless() -> list[Any]:
 
 
 def loss(params: dict[str, jax.Array], data: dict[str, jax.Array]) -> jax.Array:
-    return sum(0.5 * jnp.sum((p - d) ** 2) for p, d in zip(params.values(), data.values()))
+    pairs = zip(params.values(), data.values(), strict=True)
+    return sum(0.5 * jnp.sum((p - d) ** 2) for p, d in pairs)
 
 
 def optax_variant(kind: str) -> Callable[..., JaxStepper]:
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[Result]]:
         params = tree(n_params, int(leaves), seed=0)
         data = tree(n_params, int(leaves), seed=1)
         factories = {
-            name: (lambda make=make: make(params, data)) for name, make in VARIANTS.items()
+            name: functools.partial(make, params, data) for name, make in VARIANTS.items()
         }
         results[layout] = measure(factories, "optax.adam (baseline)", repeats=args.repeats)
         print(f"\n### memory-bound step, {layout}\n\n{table(results[layout])}", flush=True)
