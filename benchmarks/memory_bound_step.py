@@ -136,9 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[Result]]:
         n_params = int(float(count.rstrip("M")) * 1e6)
         params = tree(n_params, int(leaves), seed=0)
         data = tree(n_params, int(leaves), seed=1)
-        factories = {
-            name: functools.partial(make, params, data) for name, make in VARIANTS.items()
-        }
+        factories = {name: functools.partial(make, params, data) for name, make in VARIANTS.items()}
         results[layout] = measure(factories, "optax.adam (baseline)", repeats=args.repeats)
         print(f"\n### memory-bound step, {layout}\n\n{table(results[layout])}", flush=True)
     return results

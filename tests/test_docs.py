@@ -62,6 +62,7 @@ def test_the_api_reference_lists_every_public_name():
 
 
 def test_the_readme_gives_one_command_that_builds_the_docs():
-    assert 'pip install -e ".[docs]" && sphinx-build -W -b html docs docs/_build/html' in (
-        ROOT / "README.md"
-    ).read_text()
+    assert (
+        'pip install -e ".[docs]" && sphinx-build -W -b html docs docs/_build/html'
+        in (ROOT / "README.md").read_text()
+    )
