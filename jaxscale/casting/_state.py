@@ -54,8 +54,12 @@ class StatefulCall:
             for leaf in leaves
         ]
         self._leaves = leaves
-        self._nodes = tuple(leaf for leaf, kind in zip(leaves, self._kinds) if kind == "node")  # noqa: B905
-        self.array_leaves = [leaf for leaf, kind in zip(leaves, self._kinds) if kind == "array"]  # noqa: B905
+        self._nodes = tuple(
+            leaf for leaf, kind in zip(leaves, self._kinds, strict=True) if kind == "node"
+        )
+        self.array_leaves = [
+            leaf for leaf, kind in zip(leaves, self._kinds, strict=True) if kind == "array"
+        ]
         self.state_leaves: list[Any] = []
         if self._nodes:
             self._graphdef, state = _nnx().split(self._nodes)
