@@ -1,73 +1,112 @@
-"""A memory-bound train step: the gradient is computed in the same jit and is cheap.
+"""Memory-bound train steps: the gradient is computed in the same jit, and is cheap.
 
-Adam on float32 parameters, donated; the gradient of ``0.5 * sum((p - d) ** 2)`` is
-``p - d``, computed inside the jitted step, so without loss scaling XLA fuses it into
-Adam's pass and never materialises it. A scaler that decides before it updates must
-see every gradient first. Variants, each a ratio to plain Adam in the same process:
+Adam on float32 parameters, donated. Two workloads:
 
-* ``grad_scaler(adam)`` and the ``GradScaler`` facade driving the same Optax triple,
-  with the skip as jaxscale makes it on this platform (a loop on CPU);
-* the same two with the skip forced to a select (what jaxscale does on GPU), to see
-  which boundary XLA fuses better when the gradient is produced in the step;
-* ``optax.apply_if_finite(adam)``.
+* ``quadratic``: the loss ``0.5 * sum((p - d) ** 2)``, whose gradient ``p - d`` costs
+  one subtraction. Without loss scaling XLA fuses it into Adam's pass and never
+  materialises it; a scaler that decides before it updates must see every gradient
+  first. Layouts ``N/L``: N float32 parameters in L leaves.
+* ``mlp``: a wide MLP (4 layers of 2048 x 2048 with biases, 16.8M parameters) on a
+  batch of 8, where the optimizer is a large share of the step.
 
-    python -m benchmarks.memory_bound_step --layouts 10M/50 10M/500 100M/50
+Groups, each with its own baseline measured in the same process:
+
+* Optax: ``optax.adam`` alone; ``jaxscale.grad_scaler(adam)``; ``jaxscale.GradScaler``
+  driving the same Optax triple; ``optax.apply_if_finite(adam)``; Flax's
+  ``DynamicScale.value_and_grad`` with the ``jnp.where`` masking of Flax's examples;
+  ``jmp.DynamicLossScale`` with ``jmp.select_tree``.
+* NNX: ``nnx.Optimizer.update`` against the same step driven by ``jaxscale.GradScaler``.
+* PyTorch (on its device): ``loss.backward()`` + ``torch.optim.Adam.step()`` against
+  the same with ``torch.amp.GradScaler``.
+
+For every jitted Optax variant the compiled program's ``copy`` instructions and
+temporary memory are printed too: a scaler that materialises its gradients shows
+them there.
+
+    python -m benchmarks.memory_bound_step --workloads quadratic:10M/50 quadratic:10M/500 \\
+        quadratic:100M/50 mlp
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from flax import nnx
+from flax.training.dynamic_scale import DynamicScale
 
 import jaxscale
-from benchmarks.harness import JaxStepper, Result, measure, table
+from benchmarks.harness import JaxStepper, Result, Stepper, measure, table
 from benchmarks.optimizer_step import fresh, tree
-from jaxscale.core import _skip
 
 LEARNING_RATE = 1e-3
+MLP_WIDTH, MLP_DEPTH, MLP_BATCH = 2048, 4, 8
+
+Params = dict[str, jax.Array]
+Loss = Callable[[Params, Any], jax.Array]
 
 
-@contextlib.contextmanager
-def select_skip() -> Iterator[None]:
-    """Trace with every skip made by a select, as on GPU."""
-    original = _skip.run_unless
-
-    def select(found_inf: jax.Array, fn: Callable[[Any], Any], carry: Any) -> Any:
-        if not isinstance(found_inf, jax.core.Tracer):
-            return original(found_inf, fn, carry)
-        return _skip.skip_by_select(found_inf, fn, carry)
-
-    targets = [_skip, *_users_of_run_unless()]
-    for module in targets:
-        module.run_unless = select
-    try:
-        yield
-    finally:
-        for module in targets:
-            module.run_unless = original
+# -- workloads ------------------------------------------------------------------------------------
 
 
-def _users_of_run_unless() -> list[Any]:
-    from jaxscale.facade import _optimizers
-    from jaxscale.transform import _grad_scaler
-
-    return [_optimizers, _grad_scaler]
-
-
-def loss(params: dict[str, jax.Array], data: dict[str, jax.Array]) -> jax.Array:
+def quadratic_loss(params: Params, data: Params) -> jax.Array:
     pairs = zip(params.values(), data.values(), strict=True)
-    return sum(0.5 * jnp.sum((p - d) ** 2) for p, d in pairs)
+    return sum((0.5 * jnp.sum((p - d) ** 2) for p, d in pairs), start=jnp.float32(0.0))
 
 
-def optax_variant(kind: str) -> Callable[..., JaxStepper]:
-    def make(params: dict[str, jax.Array], data: dict[str, jax.Array]) -> JaxStepper:
+def mlp_loss(params: Params, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    x, y = batch
+    for i in range(MLP_DEPTH):
+        x = x @ params[f"w{i}"] + params[f"b{i}"]
+        if i < MLP_DEPTH - 1:
+            x = jax.nn.relu(x)
+    return 0.5 * jnp.mean((x - y) ** 2)
+
+
+def quadratic(n_params: int, n_leaves: int) -> tuple[Loss, Params, Any]:
+    return quadratic_loss, tree(n_params, n_leaves, seed=0), tree(n_params, n_leaves, seed=1)
+
+
+def mlp() -> tuple[Loss, Params, Any]:
+    key = jax.random.key(0)
+    params: Params = {}
+    for i in range(MLP_DEPTH):
+        k = jax.random.fold_in(key, i)
+        params[f"w{i}"] = jax.random.normal(k, (MLP_WIDTH, MLP_WIDTH)) / np.sqrt(MLP_WIDTH)
+        params[f"b{i}"] = jnp.zeros((MLP_WIDTH,))
+    kx, ky = jax.random.split(jax.random.fold_in(key, 99))
+    batch = (
+        jax.random.normal(kx, (MLP_BATCH, MLP_WIDTH)),
+        jax.random.normal(ky, (MLP_BATCH, MLP_WIDTH)),
+    )
+    return mlp_loss, params, batch
+
+
+def workload(spec: str) -> tuple[Loss, Params, Any]:
+    """``quadratic:10M/50`` or ``mlp``."""
+    if spec == "mlp":
+        return mlp()
+    kind, _, layout = spec.partition(":")
+    if kind != "quadratic" or "/" not in layout:
+        raise ValueError(
+            f"unknown workload {spec!r}: use quadratic:N/L (e.g. quadratic:10M/50) or mlp"
+        )
+    count, leaves = layout.split("/")
+    return quadratic(int(float(count.rstrip("M")) * 1_000_000), int(leaves))
+
+
+# -- Optax-level variants: each returns a JaxStepper ----------------------------------------------
+
+
+def optax_variant(kind: str) -> Callable[[Loss, Params, Any], JaxStepper]:
+    def make(loss: Loss, params: Params, batch: Any) -> JaxStepper:
         inner = optax.adam(LEARNING_RATE)
         tx = {
             "adam": inner,
@@ -76,69 +115,281 @@ def optax_variant(kind: str) -> Callable[..., JaxStepper]:
         }[kind]
 
         @functools.partial(jax.jit, donate_argnums=(0, 1))
-        def step(params, opt_state, data):
+        def step(params, opt_state, batch):
             if kind == "grad_scaler":
-                grads = jax.grad(lambda p: jaxscale.scale(loss(p, data), opt_state))(params)
+                grads = jax.grad(lambda p: jaxscale.scale(loss(p, batch), opt_state))(params)
             else:
-                grads = jax.grad(loss)(params, data)
+                grads = jax.grad(loss)(params, batch)
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
 
         p = fresh(params)
-        return JaxStepper(step, (p, tx.init(p)), (data,))
+        return JaxStepper(step, (p, tx.init(p)), (batch,))
 
     return make
 
 
-def facade_triple(params: dict[str, jax.Array], data: dict[str, jax.Array]) -> JaxStepper:
+def facade_triple(loss: Loss, params: Params, batch: Any) -> JaxStepper:
     tx = optax.adam(LEARNING_RATE)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-    def step(params, opt_state, scaler, data):
-        grads = jax.grad(lambda p: scaler.scale(loss(p, data)))(params)
+    def step(params, opt_state, scaler, batch):
+        grads = jax.grad(lambda p: scaler.scale(loss(p, batch)))(params)
         params, opt_state = scaler.step(tx, grads, opt_state, params)
         scaler.update()
         return params, opt_state, scaler
 
     p = fresh(params)
-    return JaxStepper(step, (p, tx.init(p), jaxscale.GradScaler()), (data,))
+    return JaxStepper(step, (p, tx.init(p), jaxscale.GradScaler()), (batch,))
 
 
-def with_select(make: Callable[..., JaxStepper]) -> Callable[..., JaxStepper]:
-    def build(params: dict[str, jax.Array], data: dict[str, jax.Array]) -> JaxStepper:
-        stepper = make(params, data)
-        with select_skip():  # the step is traced (compiled) here, in the warm-up call
-            stepper.step()
-            stepper.block()
-        return stepper
+def flax_dynamic_scale(loss: Loss, params: Params, batch: Any) -> JaxStepper:
+    """Flax's recipe: ``DynamicScale.value_and_grad``, then ``jnp.where`` on state and params."""
+    tx = optax.adam(LEARNING_RATE)
 
-    return build
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+    def step(params, opt_state, ds, batch):
+        ds, is_finite, _, grads = ds.value_and_grad(loss)(params, batch)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = functools.partial(jnp.where, is_finite)
+        return (
+            jax.tree.map(keep, new_params, params),
+            jax.tree.map(keep, new_opt_state, opt_state),
+            ds,
+        )
+
+    p = fresh(params)
+    return JaxStepper(step, (p, tx.init(p), DynamicScale()), (batch,))
 
 
-VARIANTS = {
+def jmp_loss_scale(loss: Loss, params: Params, batch: Any) -> JaxStepper:
+    """jmp's recipe: scale, grad, unscale, ``all_finite``, ``adjust``, ``select_tree``."""
+    import jmp
+
+    tx = optax.adam(LEARNING_RATE)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+    def step(params, opt_state, loss_scale, batch):
+        grads = jax.grad(lambda p: loss_scale.scale(loss(p, batch)))(params)
+        grads = loss_scale.unscale(grads)
+        finite = jmp.all_finite(grads)
+        loss_scale = loss_scale.adjust(finite)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        new_params, new_opt_state = jmp.select_tree(
+            finite, (new_params, new_opt_state), (params, opt_state)
+        )
+        return new_params, new_opt_state, loss_scale
+
+    p = fresh(params)
+    scale = jmp.DynamicLossScale(jnp.float32(2.0**15))
+    return JaxStepper(step, (p, tx.init(p), scale), (batch,))
+
+
+OPTAX_GROUP = {
     "optax.adam (baseline)": optax_variant("adam"),
     "jaxscale.grad_scaler(adam)": optax_variant("grad_scaler"),
     "jaxscale.GradScaler, optax triple": facade_triple,
-    "grad_scaler(adam), skip by select": with_select(optax_variant("grad_scaler")),
-    "GradScaler triple, skip by select": with_select(facade_triple),
     "optax.apply_if_finite(adam)": optax_variant("apply_if_finite"),
+    "flax DynamicScale.value_and_grad + jnp.where": flax_dynamic_scale,
+    "jmp.DynamicLossScale + select_tree": jmp_loss_scale,
+}
+# Per-leaf reduction chains of these two take minutes to compile at 500 leaves on 2 cores.
+SLOW_TO_COMPILE = [
+    "flax DynamicScale.value_and_grad + jnp.where",
+    "jmp.DynamicLossScale + select_tree",
+]
+MAX_LEAVES_FOR_SLOW = 100
+
+
+# -- NNX ------------------------------------------------------------------------------------------
+
+
+class Leaves(nnx.Module):
+    def __init__(self, params: Params):
+        self.leaves = nnx.Dict({k: nnx.Param(jnp.copy(v)) for k, v in params.items()})
+
+
+class NnxStepper(Stepper):
+    def __init__(self, loss: Loss, params: Params, batch: Any, with_scaler: bool):
+        self.model = Leaves(params)
+        self.optimizer = nnx.Optimizer(self.model, optax.adam(LEARNING_RATE), wrt=nnx.Param)
+        self.batch = batch
+        self.scaler = jaxscale.GradScaler() if with_scaler else None
+
+        def values(model: Leaves) -> Params:
+            return {k: v[...] for k, v in model.leaves.items()}
+
+        def plain(model, optimizer, batch):
+            grads = nnx.grad(lambda m: loss(values(m), batch))(model)
+            optimizer.update(model, grads)
+
+        def scaled(model, optimizer, scaler, batch):
+            grads = nnx.grad(lambda m: scaler.scale(loss(values(m), batch)))(model)
+            scaler.step(optimizer, model, grads)
+            scaler.update()
+
+        # Donating model, optimizer (and scaler) lets XLA update every buffer in place.
+        if self.scaler is None:
+            self.fn = nnx.jit(plain, donate_argnums=(0, 1))
+        else:
+            self.fn = nnx.jit(scaled, donate_argnums=(0, 1, 2))
+
+    def step(self) -> None:
+        if self.scaler is None:
+            self.fn(self.model, self.optimizer, self.batch)
+        else:
+            self.fn(self.model, self.optimizer, self.scaler, self.batch)
+
+    def block(self) -> None:
+        jax.block_until_ready(nnx.state(self.model))
+
+
+NNX_GROUP = {
+    "nnx.Optimizer (baseline)": lambda loss, p, b: NnxStepper(loss, p, b, False),
+    "jaxscale.GradScaler + nnx.Optimizer": lambda loss, p, b: NnxStepper(loss, p, b, True),
 }
 
 
-def main(argv: list[str] | None = None) -> dict[str, list[Result]]:
+# -- PyTorch --------------------------------------------------------------------------------------
+
+
+class TorchStepper(Stepper):
+    """The same workload in PyTorch: ``backward()`` then Adam, with or without ``GradScaler``."""
+
+    def __init__(self, workload_name: str, params: Params, batch: Any, device: str, scaler: bool):
+        import torch
+
+        self.torch, self.device = torch, device
+
+        def tensor(x: Any) -> Any:
+            return torch.from_numpy(np.array(x)).to(device)
+
+        self.params = {k: torch.nn.Parameter(tensor(v)) for k, v in params.items()}
+        self.optimizer = torch.optim.Adam(list(self.params.values()), lr=LEARNING_RATE)
+        self.scaler = torch.amp.GradScaler(device) if scaler else None
+        if workload_name == "mlp":
+            x, y = (tensor(a) for a in batch)
+
+            def loss() -> Any:
+                h = x
+                for i in range(MLP_DEPTH):
+                    h = h @ self.params[f"w{i}"] + self.params[f"b{i}"]
+                    if i < MLP_DEPTH - 1:
+                        h = torch.relu(h)
+                return 0.5 * torch.mean((h - y) ** 2)
+
+        else:
+            data = {k: tensor(v) for k, v in batch.items()}
+
+            def loss() -> Any:
+                terms = (0.5 * torch.sum((p - data[k]) ** 2) for k, p in self.params.items())
+                return sum(terms)
+
+        self.loss = loss
+
+    def step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        value = self.loss()
+        if self.scaler is None:
+            value.backward()
+            self.optimizer.step()
+        else:
+            self.scaler.scale(value).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+
+    def block(self) -> None:
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+
+
+def torch_group(workload_name: str, device: str) -> dict[str, Callable[..., Stepper]]:
+    return {
+        "torch.optim.Adam (baseline)": lambda loss, p, b: TorchStepper(
+            workload_name, p, b, device, False
+        ),
+        "torch.amp.GradScaler + Adam": lambda loss, p, b: TorchStepper(
+            workload_name, p, b, device, True
+        ),
+    }
+
+
+# -- compiled-program statistics ------------------------------------------------------------------
+
+
+def compiled_stats(stepper: Stepper) -> str:
+    """Copies and temporary memory of a jitted step, from XLA's optimized program."""
+    if not isinstance(stepper, JaxStepper) or not hasattr(stepper.fn, "lower"):
+        return "-"
+    try:
+        compiled = stepper.fn.lower(*stepper.state, *stepper.extra).compile()
+    except TypeError:  # jmp's loss scale cannot be rebuilt from lowering's argument records
+        return "-"
+    copies = len(re.findall(r"= \S+ copy\(", compiled.as_text()))
+    memory = compiled.memory_analysis()
+    temp = f"{memory.temp_size_in_bytes / 1e6:.1f} MB" if memory is not None else "?"
+    return f"{copies} copies, {temp} temporaries"
+
+
+def run(spec: str, repeats: int, torch_device: str | None) -> dict[str, list[Result]]:
+    loss, params, batch = workload(spec)
+    n_leaves = len(params)
+
+    def bind(group: dict[str, Callable[..., Stepper]]) -> dict[str, Callable[[], Stepper]]:
+        return {name: functools.partial(make, loss, params, batch) for name, make in group.items()}
+
+    optax_group = dict(OPTAX_GROUP)
+    if n_leaves > MAX_LEAVES_FOR_SLOW:
+        for name in SLOW_TO_COMPILE:
+            optax_group.pop(name)
+    stats: dict[str, str] = {}
+
+    def with_stats(name: str, make: Callable[[], Stepper]) -> Callable[[], Stepper]:
+        def build() -> Stepper:
+            stepper = make()
+            stats[name] = compiled_stats(stepper)
+            return stepper
+
+        return build
+
+    groups = {
+        "optax": measure(
+            {name: with_stats(name, make) for name, make in bind(optax_group).items()},
+            "optax.adam (baseline)",
+            repeats=repeats,
+        ),
+        "nnx": measure(bind(NNX_GROUP), "nnx.Optimizer (baseline)", repeats=repeats),
+    }
+    if torch_device is not None:
+        name = "mlp" if spec == "mlp" else "quadratic"
+        groups["torch"] = measure(
+            bind(torch_group(name, torch_device)), "torch.optim.Adam (baseline)", repeats=repeats
+        )
+    print(f"\n### memory-bound step, {spec}: compiled programs\n")
+    print("| variant | optimized program |\n|---|---|")
+    for name, text in stats.items():
+        print(f"| {name} | {text} |")
+    return groups
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, list[Result]]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", nargs="+", default=["10M/50"])
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["quadratic:10M/50", "quadratic:10M/500", "quadratic:100M/50", "mlp"],
+    )
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--torch", choices=["cpu", "cuda", "none"], default="cpu")
     args = parser.parse_args(argv)
     results = {}
-    for layout in args.layouts:
-        count, leaves = layout.split("/")
-        n_params = int(float(count.rstrip("M")) * 1e6)
-        params = tree(n_params, int(leaves), seed=0)
-        data = tree(n_params, int(leaves), seed=1)
-        factories = {name: functools.partial(make, params, data) for name, make in VARIANTS.items()}
-        results[layout] = measure(factories, "optax.adam (baseline)", repeats=args.repeats)
-        print(f"\n### memory-bound step, {layout}\n\n{table(results[layout])}", flush=True)
+    for spec in args.workloads:
+        torch_device = None if args.torch == "none" else args.torch
+        results[spec] = run(spec, args.repeats, torch_device)
+        for group, rows in results[spec].items():
+            print(f"\n### memory-bound step, {spec}, {group}\n\n{table(rows)}", flush=True)
     return results
 
 

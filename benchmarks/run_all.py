@@ -76,11 +76,12 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
     for group, results in autocast_step.main(["--repeats", str(args.repeats)]).items():
         unit = {"per": "compile"} if group == "trace + compile" else {}
         emit(f"Autocast vs hand-set float16 dtypes, {group}", table(results, **unit))
-    memory_bound = memory_bound_step.main(
-        ["--layouts", "10M/50", "10M/500", "100M/50", "--repeats", str(args.repeats)]
-    )
-    for layout, results in memory_bound.items():
-        emit(f"Memory-bound step (gradient computed in the jit), {layout}", table(results))
+    memory_bound = memory_bound_step.main(["--repeats", str(args.repeats), "--torch", args.torch])
+    for spec, groups in memory_bound.items():
+        for group, results in groups.items():
+            emit(
+                f"Memory-bound step (gradient computed in the jit), {spec}, {group}", table(results)
+            )
     groups = train_step.main(["--repeats", str(args.repeats)])
     for group, results in groups.items():
         emit(f"Full train step (float16 transformer), {group}", table(results))

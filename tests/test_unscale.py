@@ -7,7 +7,7 @@ import pytest
 import torch_reference
 
 from jaxscale import all_finite, scale_outputs, unscale_and_check
-from jaxscale.core import inverse_scale
+from jaxscale.core import correctly_rounded_reciprocal, inverse_scale
 
 MODES = ["eager", "jit"]
 
@@ -110,6 +110,27 @@ def test_inverse_scale_equals_pytorch_double_reciprocal():
     assert (got.view(np.uint32) == expected.view(np.uint32)).all()
     for scale in scales[:20]:
         assert inverse_scale(jnp.float32(scale)) == torch_reference.inverse_scale(scale)
+
+
+def test_the_gpu_reciprocal_equals_pytorch_double_reciprocal():
+    # What inverse_scale computes off the CPU, where XLA's float32 division is not
+    # correctly rounded: integer long division, run here so the CPU suite checks it.
+    rng = np.random.default_rng(1)
+    scales = rng.integers(0x00800000, 0x7E800000, 200_000, dtype=np.uint32).view(np.float32)
+    edges = [1.0, 3.0, 0.1, 2.0**-126, 1.5 * 2.0**-126, 2.0**125, 2.0**126, 1.9999999, 65536.0]
+    scales = np.concatenate([scales, np.asarray(edges, np.float32)])
+    scales = np.concatenate([scales, np.nextafter(scales, np.float32(np.inf))])
+    expected = (1.0 / scales.astype(np.float64)).astype(np.float32)
+    scales, expected = scales[expected >= 2.0**-126], expected[expected >= 2.0**-126]  # normal
+    got = np.asarray(jax.jit(correctly_rounded_reciprocal)(jnp.asarray(scales)))
+    assert (got.view(np.uint32) == expected.view(np.uint32)).all()
+    assert correctly_rounded_reciprocal(jnp.float32(3.0)) == torch_reference.inverse_scale(3.0)
+
+
+def test_the_gpu_reciprocal_falls_back_to_division_where_the_result_is_not_normal():
+    scales = jnp.asarray([0.0, np.inf, 3e38, 1e-45], jnp.float32)
+    got = np.asarray(correctly_rounded_reciprocal(scales))
+    np.testing.assert_array_equal(got, np.asarray(1.0 / scales))
 
 
 @pytest.mark.parametrize("mode", MODES)

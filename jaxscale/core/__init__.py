@@ -21,12 +21,14 @@ from jaxscale.core._rule import update_scale as update_scale
 from jaxscale.core._scaling import AxisName as AxisName
 from jaxscale.core._scaling import all_finite as all_finite
 from jaxscale.core._scaling import any_over_axis as any_over_axis
+from jaxscale.core._scaling import correctly_rounded_reciprocal as correctly_rounded_reciprocal
 from jaxscale.core._scaling import inverse_scale as inverse_scale
 from jaxscale.core._scaling import scale_outputs as scale_outputs
 from jaxscale.core._scaling import unscale as unscale
 from jaxscale.core._scaling import unscale_and_check as unscale_and_check
 from jaxscale.core._skip import run_unless as run_unless
 from jaxscale.core._skip import skipped_updates_like as skipped_updates_like
+from jaxscale.core._skip import update_unless as update_unless
 from jaxscale.core._state import ScalerState as ScalerState
 from jaxscale.core._state import init_scaler_state as init_scaler_state
 
@@ -37,6 +39,7 @@ __all__ = [
     "ScalerState",
     "all_finite",
     "any_over_axis",
+    "correctly_rounded_reciprocal",
     "disabled_metrics",
     "floating_leaves",
     "init_scaler_state",
@@ -52,6 +55,7 @@ __all__ = [
     "unscale",
     "unscale_and_check",
     "update_scale",
+    "update_unless",
     "validation",
     "warn_if_unhealthy",
 ]

@@ -59,14 +59,53 @@ def inverse_scale(scale: jax.Array) -> jax.Array:
     A correctly rounded float32 division equals PyTorch's double reciprocal rounded
     to float32: the reciprocal of a 24-bit significand is never within a
     double-precision rounding error of a float32 rounding boundary, so the two
-    roundings PyTorch performs cannot differ from one.
+    roundings PyTorch performs cannot differ from one. XLA divides correctly
+    rounded on CPU; GPUs divide float32 to within an ulp or two, so elsewhere the
+    reciprocal is computed exactly by :func:`correctly_rounded_reciprocal`.
 
     >>> import jax.numpy as jnp
     >>> from jaxscale.core import inverse_scale
     >>> inverse_scale(jnp.float32(1024.0))
     Array(0.00097656, dtype=float32)
     """
-    return jnp.float32(1.0) / jnp.asarray(scale, dtype=jnp.float32)
+    scale = jnp.asarray(scale, dtype=jnp.float32)
+    return lax.platform_dependent(
+        scale, cpu=lambda s: jnp.float32(1.0) / s, default=correctly_rounded_reciprocal
+    )
+
+
+def correctly_rounded_reciprocal(x: jax.Array) -> jax.Array:
+    """``1 / x`` for float32 ``x``, rounded to nearest even, in integer arithmetic.
+
+    For a normal ``x = m * 2**(e - 150)`` (``m`` its 24-bit significand, ``e`` its
+    biased exponent) the reciprocal's significand is ``2**47 / m``, computed by
+    long division in uint32 (24 quotient bits, the remainder deciding the
+    rounding). Where the result would not be a normal float32 (``x`` zero,
+    subnormal, infinite, NaN or above ``2**125``) the float division is used;
+    those scales give subnormal or non-finite reciprocals, which a GPU flushes or
+    handles as PyTorch's does.
+    """
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    exponent = (bits >> 23) & 0xFF
+    significand = (bits & 0x7FFFFF) | 0x800000
+    remainder = jnp.full_like(bits, 1 << 23)
+    quotient = jnp.zeros_like(bits)
+    for _ in range(24):
+        remainder = remainder << 1
+        fits = remainder >= significand
+        remainder = jnp.where(fits, remainder - significand, remainder)
+        quotient = (quotient << 1) | fits.astype(jnp.uint32)
+    # round to nearest, ties to even: compare twice the remainder with the divisor
+    twice = remainder << 1
+    up = (twice > significand) | ((twice == significand) & ((quotient & 1) == 1))
+    quotient = quotient + up.astype(jnp.uint32)
+    carried = quotient >> 24  # rounding up 0xFFFFFF gives 2**24: one exponent higher
+    result_exponent = jnp.uint32(253) - exponent + carried
+    result = (result_exponent << 23) | ((quotient >> carried) & 0x7FFFFF)
+    power_of_two = (bits & 0x7FFFFF) == 0
+    result = jnp.where(power_of_two, (jnp.uint32(254) - exponent) << 23, result)
+    exact = (exponent >= 1) & ((exponent <= 252) | (power_of_two & (exponent == 253)))
+    return jnp.where(exact, lax.bitcast_convert_type(result, jnp.float32), 1.0 / x)
 
 
 def unscale(tree: Any, inv_scale: jax.Array) -> Any:

@@ -35,8 +35,14 @@ def keep_unless(found_inf: jax.Array, before: Any, after: Any) -> Any:
 
 
 def skip_by_select(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
-    """Run ``fn`` and select ``carry`` back where ``found_inf``: pure dataflow, no branch."""
-    return keep_unless(found_inf, carry, fn(carry))
+    """Run ``fn`` and select ``carry`` back where ``found_inf``: pure dataflow, no branch.
+
+    The carry's values are taken before ``fn`` runs: a carry may hold mutable
+    containers (Flax NNX's state holds ``Variable`` objects, which ``nnx.merge``
+    shares with the objects it builds), and ``fn`` may write its results into them.
+    """
+    before = jax.tree.map(lambda leaf: leaf, carry)
+    return keep_unless(found_inf, before, fn(carry))
 
 
 def _same_types(before: Any, after: Any) -> bool:
@@ -106,6 +112,42 @@ def run_unless(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
         return skip_by_select(found_inf, fn, carry)
 
     return lax.platform_dependent(found_inf, carry, cpu=loop, tpu=loop, default=select)
+
+
+def update_unless(
+    found_inf: jax.Array,
+    update: Callable[[Any, Any], tuple[Any, Any]],
+    grads: Any,
+    state: Any,
+) -> tuple[Any, Any]:
+    """``update(grads, state)`` when ``found_inf`` is false; else ``-0.0`` updates and ``state``.
+
+    ``update`` returns ``(updates, new_state)``, as an Optax ``update`` does, and
+    runs through :func:`run_unless`. A skipped step returns :func:`skipped_update`
+    of every update and ``state`` untouched.
+
+    When the updates have the gradients' structure, shapes and dtypes (as for
+    every optimizer that maps gradients to updates leaf by leaf), the gradients
+    travel through the skip in the updates' place: the update reads them from its
+    carry and writes the updates over them, and the ``-0.0`` of a skipped step is
+    selected afterwards, where it fuses into whatever consumes the updates. So no
+    buffer of updates is filled beforehand and, on CPU and TPU, the loop hands its
+    updates out in the gradients' own buffer. Otherwise the carry starts from
+    ``-0.0`` updates.
+    """
+    updates_shape, _ = jax.eval_shape(update, grads, state)
+    if _same_types(jax.eval_shape(lambda g: g, grads), updates_shape):
+
+        def update_in_place(carry: tuple[Any, Any]) -> tuple[Any, Any]:
+            return update(*carry)
+
+        updates, state = run_unless(found_inf, update_in_place, (grads, state))
+        return mask_updates(found_inf, updates), state
+
+    def update_from_zero(carry: tuple[Any, Any]) -> tuple[Any, Any]:
+        return update(grads, carry[1])
+
+    return run_unless(found_inf, update_from_zero, (skipped_updates_like(updates_shape), state))
 
 
 def skipped_updates_like(updates: Any) -> Any:

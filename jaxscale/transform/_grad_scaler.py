@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import optax
 
@@ -17,9 +16,8 @@ from jaxscale.core import (
     init_scaler_state,
     inverse_scale,
     require_matching,
-    run_unless,
-    skipped_updates_like,
     unscale,
+    update_unless,
     validation,
 )
 
@@ -148,15 +146,13 @@ def grad_scaler(
         found_inf = any_over_axis(jnp.logical_not(all_finite(updates)), axis_name)
         inv_scale = inverse_scale(state.scaler.scale)
 
-        def inner_step(carry: tuple[optax.Updates, Any]) -> tuple[optax.Updates, Any]:
+        def inner_update(grads: optax.Updates, inner_state: Any) -> tuple[optax.Updates, Any]:
             # unscaling here, inside the skip, fuses it into inner's own pass
-            return inner.update(unscale(updates, inv_scale), carry[1], params, **extra_args)
+            return inner.update(unscale(grads, inv_scale), inner_state, params, **extra_args)
 
-        # A skipped step keeps the -0.0 updates it starts from and the inner state
-        # exactly as it was.
-        updates_shape, _ = jax.eval_shape(inner_step, (None, state.inner_state))
-        new_updates, new_inner_state = run_unless(
-            found_inf, inner_step, (skipped_updates_like(updates_shape), state.inner_state)
+        # A skipped step emits -0.0 updates and keeps the inner state exactly as it was.
+        new_updates, new_inner_state = update_unless(
+            found_inf, inner_update, updates, state.inner_state
         )
         return new_updates, GradScalerState(
             scaler=rule.apply(state.scaler, found_inf), inner_state=new_inner_state
