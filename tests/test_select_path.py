@@ -1,9 +1,10 @@
-"""The skip as GPUs run it (a select), run here on the CPU for every interface.
+"""Every interface skips by a select (CPU and GPU) exactly as by a loop (TPU).
 
-On GPU ``run_unless`` makes a skipped step by selecting the old state back, never
-by a loop. These tests force that path on the CPU and check that every interface
-skips exactly as it does with the loop: the same parameters, optimizer state and
-scale, bit for bit, after every step of a run with an overflowing step in it.
+On CPU and GPU ``run_unless`` makes a skipped step by selecting the old state
+back; on TPU by a loop that runs the update zero times or once. These tests run
+every interface both ways on the CPU, through a run with overflowing steps: the
+same decisions and scales, the same values, and the skipped steps leave every
+array bitwise unchanged.
 """
 
 import functools
@@ -25,17 +26,22 @@ from jaxscale.facade import _optimizers
 POISON = [False, False, True, False, True, False]
 
 
-@pytest.fixture
-def skip_as_on_gpu(monkeypatch):
+def forced(skip):
+    """``run_unless`` with every traced skip made by ``skip``."""
     original = _skip.run_unless
 
-    def patched(found_inf, fn, carry):
+    def run_unless(found_inf, fn, carry):
         if not isinstance(found_inf, jax.core.Tracer):
             return original(found_inf, fn, carry)
-        return _skip.skip_by_select(found_inf, fn, carry)
+        return skip(found_inf, fn, carry)
 
-    monkeypatch.setattr(_skip, "run_unless", patched)
-    monkeypatch.setattr(_optimizers, "run_unless", patched)
+    return run_unless
+
+
+@pytest.fixture
+def skip_as_on_gpu(monkeypatch):
+    monkeypatch.setattr(_skip, "run_unless", forced(_skip.skip_by_select))
+    monkeypatch.setattr(_optimizers, "run_unless", forced(_skip.skip_by_select))
 
 
 def bits(tree):
@@ -154,8 +160,11 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def loop_histories():
-    """Each interface's run with the skip as the CPU makes it (a loop)."""
-    return {name: run() for name, run in RUNS.items()}
+    """Each interface's run with the skip as a TPU makes it (a loop)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_skip, "run_unless", forced(_skip.skip_by_loop))
+        patch.setattr(_optimizers, "run_unless", forced(_skip.skip_by_loop))
+        return {name: run() for name, run in RUNS.items()}
 
 
 @pytest.mark.parametrize("name", list(RUNS))

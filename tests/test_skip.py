@@ -1,9 +1,13 @@
-"""run_unless: a skipped step changes nothing, by a loop on CPU/TPU and a select on GPU."""
+"""run_unless: a skipped step changes nothing, by a select on CPU and GPU and a loop on TPU."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+import third_party
 
 from jaxscale.core._skip import run_unless, skip_by_loop, skip_by_select, skipped_updates_like
 
@@ -38,11 +42,64 @@ def test_eager_calls_branch_in_python_and_never_trace():
     assert calls == [False]  # ran on concrete arrays: nothing compiled per call
 
 
-def test_cpu_compiles_to_one_loop_and_no_conditional():
+def test_cpu_compiles_to_selects_without_loop_or_conditional():
     step = jax.jit(lambda f, c: run_unless(f, update, c))
     hlo = step.lower(jnp.asarray(True), CARRY).compile().as_text()
-    assert hlo.count(" while(") == 1
+    assert " while(" not in hlo
     assert " conditional(" not in hlo
+
+
+def test_tpu_lowering_is_one_loop():
+    traced = jax.jit(lambda f, c: run_unless(f, update, c)).trace(jnp.asarray(True), CARRY)
+    assert traced.lower(lowering_platforms=("tpu",)).as_text().count("stablehlo.while") == 1
+
+
+def adam_step(skip):
+    tx = third_party.optimizer(optax.adam(1e-3))
+
+    def step(params, opt_state, data):
+        grads = jax.tree.map(lambda p, d: p - d, params, data)
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+
+        def update(carry):
+            params, opt_state = carry
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        return skip(jnp.logical_not(finite), update, (params, opt_state))
+
+    params = {f"p{i}": jnp.linspace(-1.0, 1.0, 4096) * (i + 1.0) for i in range(4)}
+    return jax.jit(step, donate_argnums=(0, 1)), params, tx.init(params)
+
+
+def test_the_select_lets_xla_update_every_buffer_in_place():
+    # The update of each parameter reads the moments the select wrote, so XLA
+    # neither copies a donated buffer nor materialises the gradient p - d.
+    step, params, opt_state = adam_step(skip_by_select)
+    compiled = step.lower(params, opt_state, params).compile()
+    assert " copy(" not in "".join(
+        line for line in compiled.as_text().splitlines() if "f32[4096]" in line.split("=")[0]
+    )
+    gradients = 4 * 4096 * 4  # bytes of the four gradients
+    assert compiled.memory_analysis().temp_size_in_bytes < gradients / 2
+    looped, _, _ = adam_step(skip_by_loop)  # a loop takes the gradients whole
+    assert (
+        looped.lower(params, opt_state, params).compile().memory_analysis().temp_size_in_bytes
+        >= gradients
+    )
+
+
+def test_the_select_reads_what_it_selected_and_skips_bitwise():
+    step, params, opt_state = adam_step(skip_by_select)
+    loop_step, _, _ = adam_step(skip_by_loop)
+    data = jax.tree.map(lambda p: p * 0.5, params)
+    poisoned = {**data, "p2": data["p2"].at[7].set(jnp.nan)}
+    copy = functools.partial(jax.tree.map, jnp.copy)
+    got = step(copy(params), copy(opt_state), data)
+    want = loop_step(copy(params), copy(opt_state), data)
+    assert bits(got) == bits(want)  # the same arithmetic as the loop, bit for bit
+    skipped = step(copy(got[0]), copy(got[1]), poisoned)
+    assert bits(skipped) == bits(got)
 
 
 def test_gpu_lowering_is_pure_dataflow():

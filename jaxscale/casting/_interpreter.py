@@ -31,6 +31,7 @@ from jax import lax
 from jax.extend import core as jex
 
 from jaxscale.casting._policy import Precision, row_for
+from jaxscale.core import bind_equation as bind
 
 # The named scope every autocast call runs under. Equations traced under it were
 # already decided by that (inner) autocast, so an enclosing one leaves them as traced.
@@ -116,16 +117,6 @@ def bind_protocol(eqn: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return tuple(result[0]), dict(result[1])
     result = dict(result)
     return tuple(result.pop("subfuns", ())), result
-
-
-def bind(eqn: Any, invals: Sequence[Any], params: dict[str, Any] | None = None) -> list[Any]:
-    """Bind ``eqn``'s primitive anew on ``invals`` (with ``params`` replacing its own)."""
-    result = eqn.primitive.get_bind_params(params or eqn.params)
-    if isinstance(result, tuple):  # (subfuns, params), before JAX 0.7
-        out = eqn.primitive.bind(*result[0], *invals, **result[1])
-    else:
-        out = eqn.primitive.bind(*invals, **result)
-    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 class Autocaster:

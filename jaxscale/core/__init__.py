@@ -13,6 +13,7 @@ from jaxscale.core._diagnostics import nonfinite_leaves as nonfinite_leaves
 from jaxscale.core._diagnostics import nonfinite_paths as nonfinite_paths
 from jaxscale.core._diagnostics import scaler_metrics as scaler_metrics
 from jaxscale.core._diagnostics import warn_if_unhealthy as warn_if_unhealthy
+from jaxscale.core._jaxprs import bind_equation as bind_equation
 from jaxscale.core._leaves import floating_leaves as floating_leaves
 from jaxscale.core._leaves import require_matching as require_matching
 from jaxscale.core._rounding import multiply_as_double as multiply_as_double
@@ -39,6 +40,7 @@ __all__ = [
     "ScalerState",
     "all_finite",
     "any_over_axis",
+    "bind_equation",
     "correctly_rounded_reciprocal",
     "disabled_metrics",
     "floating_leaves",

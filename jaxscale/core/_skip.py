@@ -8,6 +8,9 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import core as jex
+
+from jaxscale.core._jaxprs import bind_equation
 
 T = TypeVar("T")
 
@@ -37,12 +40,98 @@ def keep_unless(found_inf: jax.Array, before: Any, after: Any) -> Any:
 def skip_by_select(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
     """Run ``fn`` and select ``carry`` back where ``found_inf``: pure dataflow, no branch.
 
+    Every value ``fn`` returns is selected as soon as ``fn`` computes it, and
+    ``fn``'s later operations read the selected value: an optimizer that computes
+    its new moments and then its update from them reads the moments it returns.
+    When the step is not skipped that is the very same value, so the results are
+    bitwise those of ``fn``; when it is skipped everything ``fn`` returns is
+    ``carry`` anyway. What it buys is a program XLA can update in place: the
+    parameters' update reads the moments after they are written, instead of
+    recomputing them from the moments the write destroys, which would make XLA
+    copy every moment first (see ``benchmarks/RESULTS.md``).
+
     The carry's values are taken before ``fn`` runs: a carry may hold mutable
     containers (Flax NNX's state holds ``Variable`` objects, which ``nnx.merge``
-    shares with the objects it builds), and ``fn`` may write its results into them.
+    shares with the objects it builds).
     """
-    before = jax.tree.map(lambda leaf: leaf, carry)
-    return keep_unless(found_inf, before, fn(carry))
+    before, tree = jax.tree.flatten(carry)
+
+    def flat_fn(*leaves: Any) -> list[Any]:
+        return jax.tree.leaves(fn(jax.tree.unflatten(tree, leaves)))
+
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*before)
+    jaxpr = closed.jaxpr
+    if len(out_shape) != len(before):
+        raise ValueError(
+            f"the skipped function must return its carry's structure: {len(before)} "
+            f"leaves in, {len(out_shape)} out"
+        )
+    selected = _outputs_to_select(jaxpr, before)
+    after = _evaluate_selecting(jaxpr, closed.consts, before, found_inf, selected)
+    outs = [
+        new if var in selected else jnp.where(found_inf, old, new)
+        for var, old, new in zip(jaxpr.outvars, before, after, strict=True)
+    ]
+    return jax.tree.unflatten(tree, outs)
+
+
+def _outputs_to_select(jaxpr: Any, before: list[Any]) -> dict[Any, Any]:
+    """{output variable: the carry leaf it replaces} for outputs computed inside ``jaxpr``.
+
+    An output that is an input passed through, a literal, or returned in several
+    places is selected at the end instead.
+    """
+    counts: dict[Any, int] = {}
+    for var in jaxpr.outvars:
+        if isinstance(var, jex.Var):
+            counts[var] = counts.get(var, 0) + 1
+    passed_through = set(jaxpr.invars) | set(jaxpr.constvars)
+    return {
+        var: old
+        for var, old in zip(jaxpr.outvars, before, strict=True)
+        if isinstance(var, jex.Var) and counts[var] == 1 and var not in passed_through
+    }
+
+
+def _evaluate_selecting(
+    jaxpr: Any, consts: Any, args: list[Any], found_inf: jax.Array, selected: dict[Any, Any]
+) -> list[Any]:
+    """Evaluate ``jaxpr``, replacing each variable of ``selected`` by its select once computed.
+
+    Nested ``jit`` calls are evaluated inline, so that an output computed inside
+    one is selected where it is computed.
+    """
+    env: dict[Any, Any] = {}
+
+    def read(var: Any) -> Any:
+        return var.val if isinstance(var, jex.Literal) else env[var]
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        invals = [read(var) for var in eqn.invars]
+        handled: set[Any] = set()
+        if eqn.primitive.name in ("pjit", "jit"):
+            inner = eqn.params["jaxpr"]
+            passed_through = set(inner.jaxpr.invars) | set(inner.jaxpr.constvars)
+            inner_selected = {}
+            for inner_var, var in zip(inner.jaxpr.outvars, eqn.outvars, strict=True):
+                if (
+                    var in selected
+                    and isinstance(inner_var, jex.Var)
+                    and inner_var not in passed_through
+                    and inner_var not in inner_selected
+                ):
+                    inner_selected[inner_var] = selected[var]
+                    handled.add(var)
+            outs = _evaluate_selecting(inner.jaxpr, inner.consts, invals, found_inf, inner_selected)
+        else:
+            outs = bind_equation(eqn, invals)
+        for var, value in zip(eqn.outvars, outs, strict=True):
+            if var in selected and var not in handled:
+                value = jnp.where(found_inf, selected[var], value)
+            env[var] = value
+    return [read(var) for var in jaxpr.outvars]
 
 
 def _same_types(before: Any, after: Any) -> bool:
@@ -89,18 +178,17 @@ def run_unless(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
     ``fn`` must return a carry of the same structure, shapes and dtypes. How the
     skip is made depends on where it runs, chosen when XLA compiles:
 
-    * CPU and TPU: :func:`skip_by_loop`. XLA updates the loop's carry in place:
-      donated parameters and optimizer state are neither copied nor rewritten, and
-      a skipped step does none of ``fn``'s work. (With a select, XLA copies donated
-      buffers that ``fn`` reads and the select overwrites.)
-    * elsewhere (GPU): :func:`skip_by_select`. Pure dataflow: a loop or conditional
-      would copy its predicate to the host and wait for it, a host synchronisation
-      every step. XLA may then copy donated buffers that ``fn`` reads, so on GPU a
-      skip is cheap but not free of copies.
+    * CPU and GPU: :func:`skip_by_select`. Pure dataflow, updated in place: the
+      values ``fn`` returns are selected as soon as they are computed, so the
+      parameters' update reads the moments already written and XLA needs no
+      copies, and nothing that ``fn`` reads (a gradient computed in the same step)
+      has to be materialised first. On a GPU a loop or conditional would also copy
+      its predicate to the host, a synchronisation every step.
+    * TPU: :func:`skip_by_loop`, a loop that runs ``fn`` zero times or once;
+      XLA updates its carry in place.
 
     Outside ``jit`` ``found_inf`` is a concrete array and a Python branch decides:
-    eager execution already waits for every operation, and a loop would compile
-    anew on every call (its body captures the call's arrays as constants).
+    eager execution already waits for every operation.
     """
     if not isinstance(found_inf, jax.core.Tracer):
         return carry if bool(found_inf) else fn(carry)
@@ -111,7 +199,7 @@ def run_unless(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
     def select(found_inf: jax.Array, carry: T) -> T:
         return skip_by_select(found_inf, fn, carry)
 
-    return lax.platform_dependent(found_inf, carry, cpu=loop, tpu=loop, default=select)
+    return lax.platform_dependent(found_inf, carry, tpu=loop, default=select)
 
 
 def update_unless(
@@ -131,8 +219,8 @@ def update_unless(
     travel through the skip in the updates' place: the update reads them from its
     carry and writes the updates over them, and the ``-0.0`` of a skipped step is
     selected afterwards, where it fuses into whatever consumes the updates. So no
-    buffer of updates is filled beforehand and, on CPU and TPU, the loop hands its
-    updates out in the gradients' own buffer. Otherwise the carry starts from
+    buffer of updates is filled beforehand and, in a loop (TPU), the updates
+    leave it in the gradients' own buffer. Otherwise the carry starts from
     ``-0.0`` updates.
     """
     updates_shape, _ = jax.eval_shape(update, grads, state)

@@ -16,12 +16,12 @@ and how to make a skipped update change nothing:
   ``(params, opt_state)`` after ``tx.update`` and ``optax.apply_updates``, or the
   unchanged pair when skipped. Like PyTorch's ``step``, it applies the update.
 
-Each update runs through :func:`~jaxscale.core.run_unless`: on CPU and TPU a
-loop that runs it zero times or once, so the parameters and optimizer state are
-updated in place, never copied; on GPU a select, which keeps the predicate off
-the host. The gradients are prepared (unscaled) inside it, so the unscaling
-fuses into the optimizer's own pass instead of writing the unscaled gradients
-out first.
+Each update runs through :func:`~jaxscale.core.run_unless`: on CPU and GPU a
+select that reads back what it selected, so the parameters and optimizer state
+are updated in place, never copied, and the predicate stays off the host; on TPU
+a loop that runs it zero times or once. The gradients are prepared (unscaled)
+inside it, so the unscaling fuses into the optimizer's own pass instead of
+writing the unscaled gradients out first.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class NnxOptimizerAdapter(Adapter):
     ) -> Any:
         model, grads = args[0], args[1]
         graphdef, state = nnx.split((model, optimizer))
-        # The updates leave the loop too, starting as the -0.0 of a skipped step; when
+        # The updates leave the skip too, starting as the -0.0 of a skipped step; when
         # the caller ignores them XLA drops them and never materialises them.
         updates = skipped_updates_like(nnx.as_pure(nnx.state(grads, optimizer.wrt)))
 

@@ -61,11 +61,11 @@ def grad_scaler(
        and everything else inside ``inner`` sees the true gradients;
     3. when not, emits zero updates (``-0.0``, so parameters stay bitwise equal)
        and keeps ``inner``'s state exactly as it was: the step is skipped, like
-       PyTorch not calling ``optimizer.step()``. On CPU and TPU the inner update
-       sits in a loop that runs it zero times or once, so a skip does no work and
-       the state is updated in place; on GPU it is a select (see
-       :func:`jaxscale.core.run_unless`). An Optax schedule inside ``inner``
-       reads ``inner``'s own step count, which a skipped step does not advance;
+       PyTorch not calling ``optimizer.step()``. On CPU and GPU the skip is a
+       select that XLA updates in place; on TPU a loop that runs the inner
+       update zero times or once (see :func:`jaxscale.core.run_unless`). An
+       Optax schedule inside ``inner`` reads ``inner``'s own step count, which a
+       skipped step does not advance;
     4. updates the scale by PyTorch's rule (:func:`update_scale`) and records
        ``found_inf`` and the count of skipped steps.
 
