@@ -1,7 +1,7 @@
-"""Every interface skips by a select (CPU and GPU) exactly as by a loop (TPU).
+"""Every interface skips by a select (GPU) exactly as by a loop (CPU, TPU).
 
-On CPU and GPU ``run_unless`` makes a skipped step by selecting the old state
-back; on TPU by a loop that runs the update zero times or once. These tests run
+On GPU ``run_unless`` makes a skipped step by selecting the old state back; on
+CPU and TPU by a loop that runs the update zero times or once. These tests run
 every interface both ways on the CPU, through a run with overflowing steps: the
 same decisions and scales, the same values, and the skipped steps leave every
 array bitwise unchanged.
@@ -160,7 +160,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def loop_histories():
-    """Each interface's run with the skip as a TPU makes it (a loop)."""
+    """Each interface's run with the skip as a CPU or TPU makes it (a loop)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_skip, "run_unless", forced(_skip.skip_by_loop))
         patch.setattr(_optimizers, "run_unless", forced(_skip.skip_by_loop))

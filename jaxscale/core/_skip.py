@@ -178,14 +178,17 @@ def run_unless(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
     ``fn`` must return a carry of the same structure, shapes and dtypes. How the
     skip is made depends on where it runs, chosen when XLA compiles:
 
-    * CPU and GPU: :func:`skip_by_select`. Pure dataflow, updated in place: the
-      values ``fn`` returns are selected as soon as they are computed, so the
-      parameters' update reads the moments already written and XLA needs no
-      copies, and nothing that ``fn`` reads (a gradient computed in the same step)
-      has to be materialised first. On a GPU a loop or conditional would also copy
-      its predicate to the host, a synchronisation every step.
-    * TPU: :func:`skip_by_loop`, a loop that runs ``fn`` zero times or once;
-      XLA updates its carry in place.
+    * CPU and TPU: :func:`skip_by_loop`, a loop that runs ``fn`` zero times or
+      once. XLA updates its carry in place and compiles it quickly whatever the
+      number of leaves. (On XLA's CPU backend a select whose predicate is reduced
+      from every gradient takes time quadratic in the number of leaves to
+      compile: 81 s at 200 leaves against 3.5 s for the loop.)
+    * elsewhere (GPU): :func:`skip_by_select`. Pure dataflow, updated in place:
+      the values ``fn`` returns are selected as soon as they are computed, so the
+      parameters' update reads the moments already written, XLA needs no copies,
+      and nothing ``fn`` reads has to be materialised first. A loop or
+      conditional would copy its predicate to the host, a synchronisation every
+      step.
 
     Outside ``jit`` ``found_inf`` is a concrete array and a Python branch decides:
     eager execution already waits for every operation.
@@ -199,7 +202,7 @@ def run_unless(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
     def select(found_inf: jax.Array, carry: T) -> T:
         return skip_by_select(found_inf, fn, carry)
 
-    return lax.platform_dependent(found_inf, carry, tpu=loop, default=select)
+    return lax.platform_dependent(found_inf, carry, cpu=loop, tpu=loop, default=select)
 
 
 def update_unless(
@@ -219,7 +222,7 @@ def update_unless(
     travel through the skip in the updates' place: the update reads them from its
     carry and writes the updates over them, and the ``-0.0`` of a skipped step is
     selected afterwards, where it fuses into whatever consumes the updates. So no
-    buffer of updates is filled beforehand and, in a loop (TPU), the updates
+    buffer of updates is filled beforehand and, in a loop (CPU, TPU), the updates
     leave it in the gradients' own buffer. Otherwise the carry starts from
     ``-0.0`` updates.
     """

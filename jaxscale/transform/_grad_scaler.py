@@ -61,9 +61,9 @@ def grad_scaler(
        and everything else inside ``inner`` sees the true gradients;
     3. when not, emits zero updates (``-0.0``, so parameters stay bitwise equal)
        and keeps ``inner``'s state exactly as it was: the step is skipped, like
-       PyTorch not calling ``optimizer.step()``. On CPU and GPU the skip is a
-       select that XLA updates in place; on TPU a loop that runs the inner
-       update zero times or once (see :func:`jaxscale.core.run_unless`). An
+       PyTorch not calling ``optimizer.step()``. On CPU and TPU the inner update
+       sits in a loop that runs it zero times or once; on GPU the skip is a
+       select that XLA updates in place (see :func:`jaxscale.core.run_unless`). An
        Optax schedule inside ``inner`` reads ``inner``'s own step count, which a
        skipped step does not advance;
     4. updates the scale by PyTorch's rule (:func:`update_scale`) and records
