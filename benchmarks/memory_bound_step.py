@@ -44,7 +44,7 @@ from flax.training.dynamic_scale import DynamicScale
 
 import jaxscale
 from benchmarks.harness import JaxStepper, Result, Stepper, measure, table
-from benchmarks.optimizer_step import fresh, tree
+from benchmarks.optimizer_step import fresh, jmp_masked_step, tree
 
 LEARNING_RATE = 1e-3
 MLP_WIDTH, MLP_DEPTH, MLP_BATCH = 2048, 4, 8
@@ -172,15 +172,7 @@ def jmp_loss_scale(loss: Loss, params: Params, batch: Any) -> JaxStepper:
     @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
     def step(params, opt_state, loss_scale, batch):
         grads = jax.grad(lambda p: loss_scale.scale(loss(p, batch)))(params)
-        grads = loss_scale.unscale(grads)
-        finite = jmp.all_finite(grads)
-        loss_scale = loss_scale.adjust(finite)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        new_params, new_opt_state = jmp.select_tree(
-            finite, (new_params, new_opt_state), (params, opt_state)
-        )
-        return new_params, new_opt_state, loss_scale
+        return jmp_masked_step(tx, params, opt_state, loss_scale, grads)
 
     p = fresh(params)
     scale = jmp.DynamicLossScale(jnp.float32(2.0**15))

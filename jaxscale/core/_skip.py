@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -30,11 +31,6 @@ def skipped_update(update: jax.Array) -> jax.Array:
 def mask_updates(found_inf: jax.Array, updates: Any) -> Any:
     """``updates``, or :func:`skipped_update` of each leaf when ``found_inf``."""
     return jax.tree.map(lambda u: jnp.where(found_inf, skipped_update(u), u), updates)
-
-
-def keep_unless(found_inf: jax.Array, before: Any, after: Any) -> Any:
-    """``before`` when ``found_inf`` (the step is skipped), else ``after``, leaf by leaf."""
-    return jax.tree.map(lambda old, new: jnp.where(found_inf, old, new), before, after)
 
 
 def skip_by_select(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
@@ -75,21 +71,23 @@ def skip_by_select(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
     return jax.tree.unflatten(tree, outs)
 
 
-def _outputs_to_select(jaxpr: Any, before: list[Any]) -> dict[Any, Any]:
-    """{output variable: the carry leaf it replaces} for outputs computed inside ``jaxpr``.
+def _outputs_to_select(jaxpr: Any, olds: list[Any]) -> dict[Any, Any]:
+    """{output variable: the value it is selected against} for outputs computed in ``jaxpr``.
 
-    An output that is an input passed through, a literal, or returned in several
-    places is selected at the end instead.
+    ``olds`` holds, output by output, the value to select back when skipped, or
+    ``None`` for an output not to select. An output that is an input passed
+    through, a literal, or returned in several places is left out: the caller
+    selects it once the whole ``jaxpr`` has run.
     """
-    counts: dict[Any, int] = {}
-    for var in jaxpr.outvars:
-        if isinstance(var, jex.Var):
-            counts[var] = counts.get(var, 0) + 1
+    counts = collections.Counter(var for var in jaxpr.outvars if isinstance(var, jex.Var))
     passed_through = set(jaxpr.invars) | set(jaxpr.constvars)
     return {
         var: old
-        for var, old in zip(jaxpr.outvars, before, strict=True)
-        if isinstance(var, jex.Var) and counts[var] == 1 and var not in passed_through
+        for var, old in zip(jaxpr.outvars, olds, strict=True)
+        if old is not None
+        and isinstance(var, jex.Var)
+        and counts[var] == 1
+        and var not in passed_through
     }
 
 
@@ -113,17 +111,13 @@ def _evaluate_selecting(
         handled: set[Any] = set()
         if eqn.primitive.name in ("pjit", "jit"):
             inner = eqn.params["jaxpr"]
-            passed_through = set(inner.jaxpr.invars) | set(inner.jaxpr.constvars)
-            inner_selected = {}
-            for inner_var, var in zip(inner.jaxpr.outvars, eqn.outvars, strict=True):
-                if (
-                    var in selected
-                    and isinstance(inner_var, jex.Var)
-                    and inner_var not in passed_through
-                    and inner_var not in inner_selected
-                ):
-                    inner_selected[inner_var] = selected[var]
-                    handled.add(var)
+            olds = [selected.get(var) for var in eqn.outvars]
+            inner_selected = _outputs_to_select(inner.jaxpr, olds)
+            handled = {
+                var
+                for inner_var, var in zip(inner.jaxpr.outvars, eqn.outvars, strict=True)
+                if inner_var in inner_selected
+            }
             outs = _evaluate_selecting(inner.jaxpr, inner.consts, invals, found_inf, inner_selected)
         else:
             outs = bind_equation(eqn, invals)
