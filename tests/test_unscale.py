@@ -170,18 +170,29 @@ def test_scale_outputs_rejects_non_floating(outputs, message):
         scale_outputs(outputs, jnp.float32(2.0))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
 @pytest.mark.parametrize(
     "size", [2**15, 3 * 7 * 1000, 16411], ids=["2**15", "21000", "prime 16411"]
 )
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
-def test_large_float32_leaves_are_checked_at_every_position(size, bad):
-    # Large float32 leaves take the matrix-vector check on CPU (a prime size cannot
-    # be read as a matrix and takes the elementwise one).
-    leaf = jnp.asarray(np.random.default_rng(size).normal(size=size).astype(np.float32))
+def test_large_leaves_are_checked_at_every_position(size, bad, dtype):
+    # On CPU a large leaf is cut into 8 slices whose flags are and-ed before the
+    # reduction; the elements past the last whole slice (3 of a prime 16411) are
+    # checked on their own. Every slice's first and last element, and the tail's.
+    leaf = jnp.asarray(np.random.default_rng(size).normal(size=size), dtype)
     check = jax.jit(all_finite)
     assert bool(check({"w": leaf}))
-    for position in [0, size // 2, size - 1]:
-        assert not bool(check({"w": leaf.at[position].set(bad)}))
+    length = size // 8
+    ends = [i * length for i in range(8)] + [(i + 1) * length - 1 for i in range(8)]
+    for position in sorted({*ends, size - 1}):
+        assert not bool(check({"w": leaf.at[position].set(bad)})), position
+
+
+def test_large_leaves_of_any_shape_are_checked():
+    leaf = jnp.ones((3, 128, 64), jnp.float32)
+    for index in [(0, 0, 0), (1, 64, 3), (2, 127, 63)]:
+        assert not bool(jax.jit(all_finite)({"w": leaf.at[index].set(np.nan)}))
+    assert bool(jax.jit(all_finite)({"w": leaf}))
 
 
 def test_large_finite_values_are_not_mistaken_for_overflow():
