@@ -1,10 +1,10 @@
-"""Every interface skips by a select (GPU) exactly as by a loop (CPU, TPU).
+"""Every interface skips under jit, by a select, exactly as it does eagerly.
 
-On GPU ``run_unless`` makes a skipped step by selecting the old state back; on
-CPU and TPU by a loop that runs the update zero times or once. These tests run
-every interface both ways on the CPU, through a run with overflowing steps: the
-same decisions and scales, the same values, and the skipped steps leave every
-array bitwise unchanged.
+Under ``jit`` ``run_unless`` makes a skipped step by selecting the old state back
+where the update computes the new one (on every platform); eagerly a Python
+branch runs the update or not. These tests run every interface both ways through
+a run with overflowing steps: the same decisions and scales, the same values,
+and the skipped steps leave every array bitwise unchanged.
 """
 
 import functools
@@ -20,28 +20,13 @@ from flax.training import train_state
 from test_facade import MLP, loss_fn
 
 import jaxscale
-from jaxscale.core import _skip
-from jaxscale.facade import _optimizers
 
 POISON = [False, False, True, False, True, False]
 
 
-def forced(skip):
-    """``run_unless`` with every traced skip made by ``skip``."""
-    original = _skip.run_unless
-
-    def run_unless(found_inf, fn, carry):
-        if not isinstance(found_inf, jax.core.Tracer):
-            return original(found_inf, fn, carry)
-        return skip(found_inf, fn, carry)
-
-    return run_unless
-
-
-@pytest.fixture
-def skip_as_on_gpu(monkeypatch):
-    monkeypatch.setattr(_skip, "run_unless", forced(_skip.skip_by_select))
-    monkeypatch.setattr(_optimizers, "run_unless", forced(_skip.skip_by_select))
+def eager(fn=None, **_):
+    """Stands in for ``jax.jit``/``nnx.jit`` (with their keyword arguments): no tracing."""
+    return fn if fn is not None else eager
 
 
 def bits(tree):
@@ -57,12 +42,12 @@ def poisoned(grads, poison):
     return jax.tree.map(lambda g: jnp.where(poison, jnp.inf, g), grads)
 
 
-def run_nnx():
+def run_nnx(jit=nnx.jit):
     model = MLP(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, third_party.optimizer(optax.adam(1e-2)), wrt=nnx.Param)
     scaler = jaxscale.GradScaler(init_scale=256.0, growth_interval=2)
 
-    @nnx.jit
+    @jit
     def step(model, optimizer, scaler, poison):
         grads = nnx.grad(lambda m: scaler.scale(loss_fn(m)))(model)
         scaler.step(optimizer, model, poisoned(grads, poison))
@@ -84,14 +69,14 @@ def quadratic(params):
     return sum(jnp.sum(p**2) for p in params.values())
 
 
-def run_train_state():
+def run_train_state(jit=jax.jit):
     state = train_state.TrainState.create(
         apply_fn=None, params=flat_params(), tx=third_party.optimizer(optax.adam(1e-2))
     )
     scaler = jaxscale.GradScaler(init_scale=256.0, growth_interval=2)
     graphdef, scaler_state = nnx.split(scaler)
 
-    @jax.jit
+    @jit
     def step(state, scaler_state, poison):
         scaler = nnx.merge(graphdef, scaler_state)
         grads = jax.grad(lambda p: scaler.scale(quadratic(p)))(state.params)
@@ -107,13 +92,13 @@ def run_train_state():
     return history
 
 
-def run_optax_triple():
+def run_optax_triple(jit=jax.jit):
     tx = third_party.optimizer(optax.adam(1e-2))
     params = flat_params()
     opt_state = tx.init(params)
     scaler = jaxscale.GradScaler(init_scale=256.0, growth_interval=2)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    @functools.partial(jit, donate_argnums=(0, 1))
     def step(params, opt_state, scaler, poison):
         grads = jax.grad(lambda p: scaler.scale(quadratic(p)))(params)
         params, opt_state = scaler.step(tx, poisoned(grads, poison), opt_state, params)
@@ -127,7 +112,7 @@ def run_optax_triple():
     return history
 
 
-def run_transform():
+def run_transform(jit=jax.jit):
     tx = jaxscale.grad_scaler(
         third_party.optimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))),
         init_scale=256.0,
@@ -136,7 +121,7 @@ def run_transform():
     params = flat_params()
     opt_state = tx.init(params)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    @functools.partial(jit, donate_argnums=(0, 1))
     def step(params, opt_state, poison):
         grads = jax.grad(lambda p: jaxscale.scale(quadratic(p), opt_state))(params)
         updates, opt_state = tx.update(poisoned(grads, poison), opt_state, params)
@@ -159,32 +144,30 @@ RUNS = {
 
 
 @pytest.fixture(scope="module")
-def loop_histories():
-    """Each interface's run with the skip as a CPU or TPU makes it (a loop)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_skip, "run_unless", forced(_skip.skip_by_loop))
-        patch.setattr(_optimizers, "run_unless", forced(_skip.skip_by_loop))
-        return {name: run() for name, run in RUNS.items()}
+def eager_histories():
+    """Each interface's run without tracing: a Python branch decides every skip."""
+    return {name: run(eager) for name, run in RUNS.items()}
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_the_select_skips_as_the_loop_does(name, loop_histories, skip_as_on_gpu):
+def test_the_select_skips_as_the_eager_branch_does(name, eager_histories):
     selected = RUNS[name]()
-    looped = loop_histories[name]
+    branched = eager_histories[name]
     # the same decisions and scales, step by step
-    assert [h[1:2] for h in selected] == [h[1:2] for h in looped]
-    # the same values (XLA may fuse the two programs' arithmetic differently: an ulp)
-    for got, want in zip(selected, looped, strict=True):
+    assert [h[1:2] for h in selected] == [h[1:2] for h in branched]
+    # the same values (XLA fuses a whole step, eagerly each operation runs alone: an ulp)
+    for got, want in zip(selected, branched, strict=True):
         for x, y in zip(got[0], want[0], strict=True):
             np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
     # the poisoned steps (3rd and 5th) left every array bitwise unchanged; the others did not
-    assert same_bits(selected[2][0], selected[1][0])
-    assert same_bits(selected[4][0], selected[3][0])
-    assert not same_bits(selected[1][0], selected[0][0])
-    assert not same_bits(selected[3][0], selected[2][0])
+    for history in (selected, branched):
+        assert same_bits(history[2][0], history[1][0])
+        assert same_bits(history[4][0], history[3][0])
+        assert not same_bits(history[1][0], history[0][0])
+        assert not same_bits(history[3][0], history[2][0])
 
 
-def test_the_select_is_what_the_step_compiles_to_under_the_fixture(skip_as_on_gpu):
+def test_the_step_compiles_to_selects_not_loops():
     tx = jaxscale.grad_scaler(optax.sgd(0.1))
     params = flat_params()
 
@@ -194,3 +177,4 @@ def test_the_select_is_what_the_step_compiles_to_under_the_fixture(skip_as_on_gp
 
     text = jax.jit(step).lower(params, tx.init(params)).as_text()
     assert "stablehlo.while" not in text
+    assert "stablehlo.select" in text

@@ -8,7 +8,6 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.extend import core as jex
 
 from jaxscale.core._jaxprs import bind_equation
@@ -26,11 +25,6 @@ def skipped_update(update: jax.Array) -> jax.Array:
     if jnp.issubdtype(update.dtype, jnp.floating):
         return jnp.full_like(update, -0.0)
     return jnp.zeros_like(update)
-
-
-def mask_updates(found_inf: jax.Array, updates: Any) -> Any:
-    """``updates``, or :func:`skipped_update` of each leaf when ``found_inf``."""
-    return jax.tree.map(lambda u: jnp.where(found_inf, skipped_update(u), u), updates)
 
 
 def skip_by_select(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
@@ -128,75 +122,20 @@ def _evaluate_selecting(
     return [read(var) for var in jaxpr.outvars]
 
 
-def _same_types(before: Any, after: Any) -> bool:
-    """Whether two trees of ``jax.ShapeDtypeStruct`` have the same structure and leaf types.
-
-    Weak typing is ignored (a loop promotes it). Everything else counts, including
-    what JAX records of a value's sharding and, under ``shard_map``, whether it
-    varies across devices.
-    """
-    before_leaves, before_tree = jax.tree.flatten(before)
-    after_leaves, after_tree = jax.tree.flatten(after)
-    if before_tree != after_tree:  # type: ignore[operator]
-        return False
-    return all(
-        b.update(weak_type=False) == a.update(weak_type=False)
-        for b, a in zip(before_leaves, after_leaves, strict=True)
-    )
-
-
-def skip_by_loop(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
-    """Run ``fn`` inside a ``lax.while_loop`` that runs it zero times or once.
-
-    XLA updates a loop's carry in place. A loop needs ``fn`` to return a carry of
-    exactly the carry's types; when it does not (under ``shard_map`` an update
-    computed from per-device gradients turns a replicated carry into a per-device
-    one), this is decided from the types before any loop is built, and the skip
-    is made by :func:`skip_by_select` instead.
-    """
-    if not _same_types(jax.eval_shape(lambda c: c, carry), jax.eval_shape(fn, carry)):
-        return skip_by_select(found_inf, fn, carry)
-
-    def body(state: tuple[jax.Array, T]) -> tuple[jax.Array, T]:
-        _, current = state
-        return jnp.asarray(False), fn(current)
-
-    initial = (jnp.logical_not(found_inf), carry)
-    _, result = lax.while_loop(lambda state: state[0], body, initial)
-    return result
-
-
 def run_unless(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
     """``fn(carry)`` when ``found_inf`` is false; ``carry`` itself, untouched, when it is true.
 
-    ``fn`` must return a carry of the same structure, shapes and dtypes. How the
-    skip is made depends on where it runs, chosen when XLA compiles:
-
-    * CPU and TPU: :func:`skip_by_loop`, a loop that runs ``fn`` zero times or
-      once. XLA updates its carry in place and compiles it quickly whatever the
-      number of leaves. (On XLA's CPU backend a select whose predicate is reduced
-      from every gradient takes time quadratic in the number of leaves to
-      compile: 81 s at 200 leaves against 3.5 s for the loop.)
-    * elsewhere (GPU): :func:`skip_by_select`. Pure dataflow, updated in place:
-      the values ``fn`` returns are selected as soon as they are computed, so the
-      parameters' update reads the moments already written, XLA needs no copies,
-      and nothing ``fn`` reads has to be materialised first. A loop or
-      conditional would copy its predicate to the host, a synchronisation every
-      step.
-
-    Outside ``jit`` ``found_inf`` is a concrete array and a Python branch decides:
-    eager execution already waits for every operation.
+    ``fn`` must return a carry of the same structure, shapes and dtypes. Under
+    ``jit`` the skip is :func:`skip_by_select` on every platform: pure dataflow,
+    so no predicate is read back to the host (a loop or conditional would do that
+    on a GPU every step), and updated in place, so nothing is copied and nothing
+    ``fn`` reads has to be materialised before the decision. Outside ``jit``
+    ``found_inf`` is a concrete array and a Python branch decides: eager execution
+    already waits for every operation.
     """
     if not isinstance(found_inf, jax.core.Tracer):
         return carry if bool(found_inf) else fn(carry)
-
-    def loop(found_inf: jax.Array, carry: T) -> T:
-        return skip_by_loop(found_inf, fn, carry)
-
-    def select(found_inf: jax.Array, carry: T) -> T:
-        return skip_by_select(found_inf, fn, carry)
-
-    return lax.platform_dependent(found_inf, carry, cpu=loop, tpu=loop, default=select)
+    return skip_by_select(found_inf, fn, carry)
 
 
 def update_unless(
@@ -208,31 +147,17 @@ def update_unless(
     """``update(grads, state)`` when ``found_inf`` is false; else ``-0.0`` updates and ``state``.
 
     ``update`` returns ``(updates, new_state)``, as an Optax ``update`` does, and
-    runs through :func:`run_unless`. A skipped step returns :func:`skipped_update`
-    of every update and ``state`` untouched.
-
-    When the updates have the gradients' structure, shapes and dtypes (as for
-    every optimizer that maps gradients to updates leaf by leaf), the gradients
-    travel through the skip in the updates' place: the update reads them from its
-    carry and writes the updates over them, and the ``-0.0`` of a skipped step is
-    selected afterwards, where it fuses into whatever consumes the updates. So no
-    buffer of updates is filled beforehand and, in a loop (CPU, TPU), the updates
-    leave it in the gradients' own buffer. Otherwise the carry starts from
-    ``-0.0`` updates.
+    runs through :func:`run_unless` with the updates of a skipped step
+    (:func:`skipped_updates_like`) as the starting value of the updates: each
+    update is selected against its ``-0.0`` where it is computed, so no buffer of
+    ``-0.0`` is ever filled.
     """
     updates_shape, _ = jax.eval_shape(update, grads, state)
-    if _same_types(jax.eval_shape(lambda g: g, grads), updates_shape):
 
-        def update_in_place(carry: tuple[Any, Any]) -> tuple[Any, Any]:
-            return update(*carry)
-
-        updates, state = run_unless(found_inf, update_in_place, (grads, state))
-        return mask_updates(found_inf, updates), state
-
-    def update_from_zero(carry: tuple[Any, Any]) -> tuple[Any, Any]:
+    def update_state(carry: tuple[Any, Any]) -> tuple[Any, Any]:
         return update(grads, carry[1])
 
-    return run_unless(found_inf, update_from_zero, (skipped_updates_like(updates_shape), state))
+    return run_unless(found_inf, update_state, (skipped_updates_like(updates_shape), state))
 
 
 def skipped_updates_like(updates: Any) -> Any:

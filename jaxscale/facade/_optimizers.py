@@ -16,13 +16,11 @@ and how to make a skipped update change nothing:
   ``(params, opt_state)`` after ``tx.update`` and ``optax.apply_updates``, or the
   unchanged pair when skipped. Like PyTorch's ``step``, it applies the update.
 
-Each update runs through :func:`~jaxscale.core.run_unless`: on CPU and TPU a
-loop that runs it zero times or once, so the parameters and optimizer state are
-updated in place, never copied; on GPU a select that reads back what it
-selected, so they are updated in place there too and the predicate stays off
-the host. The gradients are prepared (unscaled) inside it, so the unscaling
-fuses into the optimizer's own pass instead of writing the unscaled gradients
-out first.
+Each update runs through :func:`~jaxscale.core.run_unless`: a select that reads
+back what it selected, so the parameters and optimizer state are updated in
+place, never copied, and the predicate stays off the host. The gradients are
+prepared (unscaled) inside it, so the unscaling fuses into the optimizer's own
+pass instead of writing the unscaled gradients out first.
 """
 
 from __future__ import annotations

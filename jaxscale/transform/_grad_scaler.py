@@ -61,11 +61,10 @@ def grad_scaler(
        and everything else inside ``inner`` sees the true gradients;
     3. when not, emits zero updates (``-0.0``, so parameters stay bitwise equal)
        and keeps ``inner``'s state exactly as it was: the step is skipped, like
-       PyTorch not calling ``optimizer.step()``. On CPU and TPU the inner update
-       sits in a loop that runs it zero times or once; on GPU the skip is a
-       select that XLA updates in place (see :func:`jaxscale.core.run_unless`). An
-       Optax schedule inside ``inner`` reads ``inner``'s own step count, which a
-       skipped step does not advance;
+       PyTorch not calling ``optimizer.step()``. The skip is a select that XLA
+       updates in place, with no branch for the host to decide (see
+       :func:`jaxscale.core.run_unless`). An Optax schedule inside ``inner``
+       reads ``inner``'s own step count, which a skipped step does not advance;
     4. updates the scale by PyTorch's rule (:func:`update_scale`) and records
        ``found_inf`` and the count of skipped steps.
 
