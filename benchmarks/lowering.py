@@ -1,7 +1,7 @@
 """What the GPU (or TPU) will run: train steps lowered for a platform, on any machine.
 
 What a step does on an accelerator is decided when JAX lowers it: ``jax.export``
-lowers a jitted function for ``cuda``, ``rocm`` or ``tpu`` without such a device,
+lowers a jitted function for ``cuda``, ``rocm``, ``tpu`` or ``cpu`` without such a device,
 and the StableHLO module says what will run. For each train step below this
 reports:
 
@@ -13,7 +13,7 @@ reports:
 * conversions of arrays (not scalars) between dtypes, and the elements they touch;
 * the dtypes of every ``dot_general`` and convolution.
 
-    python -m benchmarks.lowering --platforms cuda rocm tpu
+    python -m benchmarks.lowering --platforms cuda rocm tpu cpu
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ def table(platforms: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--platforms", nargs="+", default=["cuda", "rocm", "tpu"])
+    parser.add_argument("--platforms", nargs="+", default=["cuda", "rocm", "tpu", "cpu"])
     args = parser.parse_args(argv)
     text = table(args.platforms)
     print(text, flush=True)

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
     parser.add_argument(
         "--gpu-lowering",
         action="store_true",
-        help="only lower the train steps for cuda, rocm and tpu and report what they run",
+        help="only lower the train steps for cuda, rocm, tpu and cpu and report what they run",
     )
     args = parser.parse_args(argv)
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
         print(f"\n## {title}\n\n{body.strip()}", flush=True)
 
     _, text = capture(lowering.main, [])
-    emit("Train steps lowered for cuda, rocm and tpu (jax.export, no device needed)", text)
+    emit("Train steps lowered for cuda, rocm, tpu and cpu (jax.export, no device needed)", text)
     if args.gpu_lowering:
         return _write(sections, "lowering")
 
