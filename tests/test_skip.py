@@ -30,6 +30,26 @@ def test_skip_keeps_the_carry_bitwise_and_a_step_applies_fn(strategy):
     assert bits(step(jnp.asarray(False), CARRY)) == bits(update(CARRY))
 
 
+def test_outputs_not_computed_from_the_carry_are_selected_back_too():
+    # Besides values computed in the update, an update may return a constant, the
+    # same computed value in two places, or an input untouched: each is selected.
+    @jax.jit
+    def nested(p):
+        return p * 3.0, jnp.int32(5)
+
+    def update(carry):
+        doubled = carry["p"] * 2.0
+        tripled, five = nested(carry["p"])
+        return {"p": doubled, "q": doubled, "count": jnp.int32(0), "r": carry["p"],
+                "t": tripled, "five": five}  # fmt: skip
+
+    carry = {**CARRY, "q": jnp.array([4.0, 5.0, 6.0]), "r": jnp.array([7.0, 8.0, 9.0]),
+             "t": jnp.array([1.5, 2.5, 3.5]), "five": jnp.int32(2)}  # fmt: skip
+    step = jax.jit(lambda found, carry: skip_by_select(found, update, carry))
+    assert bits(step(jnp.asarray(True), carry)) == bits(carry)
+    assert bits(step(jnp.asarray(False), carry)) == bits(update(carry))
+
+
 def test_eager_calls_branch_in_python_and_never_trace():
     calls = []
 

@@ -86,6 +86,17 @@ def test_skipped_step_changes_nothing_but_the_scale():
     assert int(jaxscale.skipped_steps(new_state)) == 1
 
 
+def test_a_skipped_step_emits_negative_zero_updates_that_keep_a_negative_zero_parameter():
+    # -0.0 + -0.0 is -0.0, where -0.0 + 0.0 would be +0.0: only -0.0 updates leave
+    # every parameter bitwise as it was.
+    tx = jaxscale.grad_scaler(adam(1e-2), init_scale=2.0**10)
+    new_params, _, updates = make_step(tx)(PARAMS, tx.init(PARAMS), True)
+    assert all(np.signbit(np.asarray(u)).all() for u in jax.tree.leaves(updates))
+    assert bits(new_params) == bits(PARAMS)
+    assert np.signbit(np.asarray(new_params["b"])[1])
+    assert float(new_params["b"][1]) == 0.0
+
+
 def scripted_run(tx, script, mode):
     """Train through ``script`` (True = poison the gradients) with jit per step or one lax.scan."""
     opt_state = tx.init(PARAMS)

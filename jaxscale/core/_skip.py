@@ -59,7 +59,7 @@ def skip_by_select(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
     selected = _outputs_to_select(jaxpr, before)
     after = _evaluate_selecting(jaxpr, closed.consts, before, found_inf, selected)
     outs = [
-        new if var in selected else jnp.where(found_inf, old, new)
+        new if _is_selected(var, selected) else jnp.where(found_inf, old, new)
         for var, old, new in zip(jaxpr.outvars, before, after, strict=True)
     ]
     return jax.tree.unflatten(tree, outs)
@@ -83,6 +83,11 @@ def _outputs_to_select(jaxpr: Any, olds: list[Any]) -> dict[Any, Any]:
         and counts[var] == 1
         and var not in passed_through
     }
+
+
+def _is_selected(var: Any, selected: dict[Any, Any]) -> bool:
+    """Whether the output ``var`` (a variable, or a literal, never selected) is in ``selected``."""
+    return isinstance(var, jex.Var) and var in selected
 
 
 def _evaluate_selecting(
@@ -110,7 +115,7 @@ def _evaluate_selecting(
             handled = {
                 var
                 for inner_var, var in zip(inner.jaxpr.outvars, eqn.outvars, strict=True)
-                if inner_var in inner_selected
+                if _is_selected(inner_var, inner_selected)
             }
             outs = _evaluate_selecting(inner.jaxpr, inner.consts, invals, found_inf, inner_selected)
         else:
