@@ -1,10 +1,14 @@
 """unscale_and_check, all_finite and scale_outputs: the per-leaf arithmetic."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch_reference
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxscale import all_finite, scale_outputs, unscale_and_check
 from jaxscale.core import correctly_rounded_reciprocal, inverse_scale
@@ -172,27 +176,40 @@ def test_scale_outputs_rejects_non_floating(outputs, message):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
 @pytest.mark.parametrize(
-    "size", [2**15, 3 * 7 * 1000, 16411], ids=["2**15", "21000", "prime 16411"]
+    "size", [2**15, 3 * 7 * 1000, 16410, 16411], ids=["2**15", "21000", "16410", "prime 16411"]
 )
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 def test_large_leaves_are_checked_at_every_position(size, bad, dtype):
-    # On CPU a large leaf is cut into 8 slices whose flags are and-ed before the
-    # reduction; the elements past the last whole slice (3 of a prime 16411) are
-    # checked on their own. Every slice's first and last element, and the tail's.
+    # On CPU a large leaf's neighbouring elements are and-ed in groups of 8 (of 6 for
+    # 16410, which 8 does not divide) before the reduction; a prime size is checked
+    # element by element. Every lane of the first and the last groups, and the middle.
     leaf = jnp.asarray(np.random.default_rng(size).normal(size=size), dtype)
     check = jax.jit(all_finite)
     assert bool(check({"w": leaf}))
-    length = size // 8
-    ends = [i * length for i in range(8)] + [(i + 1) * length - 1 for i in range(8)]
-    for position in sorted({*ends, size - 1}):
+    for position in [*range(16), size // 2, *range(size - 16, size)]:
         assert not bool(check({"w": leaf.at[position].set(bad)})), position
 
 
-def test_large_leaves_of_any_shape_are_checked():
-    leaf = jnp.ones((3, 128, 64), jnp.float32)
-    for index in [(0, 0, 0), (1, 64, 3), (2, 127, 63)]:
-        assert not bool(jax.jit(all_finite)({"w": leaf.at[index].set(np.nan)}))
+@pytest.mark.parametrize("shape", [(3, 128, 64), (128, 129), (64, 2048)])
+def test_large_leaves_of_any_shape_are_checked(shape):
+    leaf = jnp.ones(shape, jnp.float32)
     assert bool(jax.jit(all_finite)({"w": leaf}))
+    last = tuple(n - 1 for n in shape)
+    for index in [(0,) * len(shape), tuple(n // 2 for n in shape), last]:
+        assert not bool(jax.jit(all_finite)({"w": leaf.at[index].set(np.nan)})), index
+
+
+@pytest.mark.parametrize("spec", [P("a"), P(None, "b"), P("a", "b"), P("b", None)], ids=str)
+def test_a_sharded_leaf_is_checked_where_it_lies(spec):
+    # The check folds neighbours along the last axis, so each device folds its own
+    # block: the only collective is the all-reduce of the verdict.
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+    leaf = jax.device_put(jnp.ones((256, 2048)), NamedSharding(mesh, spec))
+    text = jax.jit(all_finite).lower({"w": leaf}).compile().as_text()
+    assert re.findall(r"= \S+ (all-gather|all-to-all|collective-permute)", text) == []
+    assert bool(jax.jit(all_finite)({"w": leaf}))
+    poisoned = jax.device_put(leaf.at[255, 2047].set(np.inf), NamedSharding(mesh, spec))
+    assert not bool(jax.jit(all_finite)({"w": poisoned}))
 
 
 def test_large_finite_values_are_not_mistaken_for_overflow():

@@ -21,9 +21,9 @@ AxisName = Hashable | Sequence[Hashable]
 
 # Leaves from this many elements up are folded before their check on CPU.
 _SMALL_LEAF = 1 << 14
-# Slices and-ed by the CPU check. XLA's CPU fusion duplicates a producer into at
-# most 15 reads within one fusion; eight slices leave room for a gradient whose
-# own computation reads a value twice.
+# Neighbouring elements and-ed by the CPU check (at most). XLA's CPU fusion
+# emits a producer at most 15 times within one fusion; eight leave room for a
+# gradient whose own computation reads a value twice.
 _FOLDS = 8
 
 
@@ -132,20 +132,24 @@ def _elementwise_check(leaf: jax.Array) -> jax.Array:
 def _folded_check(leaf: jax.Array) -> jax.Array:
     """``_elementwise_check`` for XLA's CPU backend: fold the leaf before reducing it.
 
-    The leaf is cut into ``_FOLDS`` equal slices whose ``isfinite`` flags are and-ed
-    element by element: one elementwise pass over the leaf, which XLA's CPU backend
-    vectorises, splits across cores and fuses with whatever computes the leaf
-    (nothing is materialised when the gradient is a cheap function of parameters
-    and data). Only the folded flags, one byte per ``_FOLDS`` elements, go through
-    the reduction, which on CPU is several times slower per byte. The elements
-    past the last whole slice are checked on their own.
+    The last axis is cut into groups of ``folds`` neighbouring elements, and the
+    ``isfinite`` flags of each group are and-ed: one elementwise pass over the
+    leaf, which XLA's CPU backend vectorises, splits across cores and fuses with
+    whatever computes the leaf (nothing is materialised when the gradient is a
+    cheap function of parameters and data). Only the folded flags, a byte per
+    ``folds`` elements, go through the reduction, which on CPU is several times
+    slower per byte. Neighbours are grouped, never distant elements, so a leaf
+    sharded across devices is folded where it lies, without moving data.
     """
-    flat = leaf.reshape(-1)
-    length = flat.size // _FOLDS
-    folded = jnp.isfinite(flat[:length])
-    for i in range(1, _FOLDS):
-        folded = folded & jnp.isfinite(flat[i * length : (i + 1) * length])
-    return jnp.all(folded) & jnp.all(jnp.isfinite(flat[_FOLDS * length :]))
+    last = leaf.shape[-1] if leaf.ndim else 1
+    folds = next((k for k in range(_FOLDS, 1, -1) if last % k == 0), None)
+    if folds is None:
+        return _elementwise_check(leaf)
+    groups = leaf.reshape(*leaf.shape[:-1], last // folds, folds)
+    folded = jnp.isfinite(groups[..., 0])
+    for i in range(1, folds):
+        folded = folded & jnp.isfinite(groups[..., i])
+    return jnp.all(folded)
 
 
 def leaf_is_finite(leaf: jax.Array) -> jax.Array:
