@@ -141,7 +141,7 @@ def _folded_check(leaf: jax.Array) -> jax.Array:
     slower per byte. Neighbours are grouped, never distant elements, so a leaf
     sharded across devices is folded where it lies, without moving data.
     """
-    last = leaf.shape[-1] if leaf.ndim else 1
+    last = leaf.shape[-1]  # large leaves have an axis
     folds = next((k for k in range(_FOLDS, 1, -1) if last % k == 0), None)
     if folds is None:
         return _elementwise_check(leaf)
