@@ -16,3 +16,47 @@ import jax  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+# -- a run without PyTorch, asked for explicitly ----------------------------------------------
+#
+# PyTorch's CPU build exists for the Python the main CI stage uses; on others (the stage
+# on the newest JAX) only its multi-gigabyte CUDA build does. With
+# JAXSCALE_TESTS_WITHOUT_TORCH=1 the modules that compare with PyTorch are not collected
+# and tests marked `torch` are deselected; the header says how many. Without the
+# variable a missing torch is an import error, never a silent skip.
+
+import pathlib  # noqa: E402
+import re  # noqa: E402
+
+WITHOUT_TORCH = os.environ.get("JAXSCALE_TESTS_WITHOUT_TORCH") == "1"
+_NEEDS_TORCH = re.compile(
+    r"^(import|from) (torch|torch_reference|torch_twins|test_facade_differential)\b", re.MULTILINE
+)
+_left_out: list[str] = []
+
+
+def pytest_ignore_collect(collection_path: pathlib.Path, config):
+    is_test_module = collection_path.suffix == ".py" and collection_path.name.startswith("test_")
+    if WITHOUT_TORCH and is_test_module and _NEEDS_TORCH.search(collection_path.read_text()):
+        _left_out.append(collection_path.name)
+        return True
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    if not WITHOUT_TORCH:
+        return
+    deselected = [item for item in items if item.get_closest_marker("torch")]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if not item.get_closest_marker("torch")]
+
+
+def pytest_report_collectionfinish(config, start_path, items):
+    if WITHOUT_TORCH:
+        return (
+            f"JAXSCALE_TESTS_WITHOUT_TORCH=1: {len(_left_out)} modules comparing with PyTorch "
+            f"not collected ({', '.join(sorted(_left_out))}); tests marked torch deselected"
+        )
+    return None

@@ -277,14 +277,19 @@ def test_a_nested_region_with_another_dtype_keeps_its_own():
 
 
 def test_an_unknown_higher_order_primitive_raises_naming_it():
-    def solve(a, b):
-        return lax.custom_linear_solve(lambda x: a @ x, b, solve=lambda _, y: y / 2.0)
+    @jax.custom_batching.custom_vmap
+    def halve(a, b):
+        return (a @ b) / 2.0
 
-    with pytest.raises(NotImplementedError, match="'custom_linear_solve'"):
-        jaxscale.autocast(solve)(2.0 * jnp.eye(2), jnp.ones(2))
+    @halve.def_vmap
+    def _halve_vmap(axis_size, in_batched, a, b):
+        return halve(a, b), True
+
+    with pytest.raises(NotImplementedError, match="'custom_vmap_call'"):
+        jaxscale.autocast(halve)(2.0 * jnp.eye(2), jnp.ones(2))
     # the remedy the message names: a disabled region inside
-    fine = jaxscale.autocast(lambda a, b: jaxscale.autocast(solve, enabled=False)(a, b))
-    np.testing.assert_allclose(fine(2.0 * jnp.eye(2), jnp.ones(2)), [0.5, 0.5])
+    fine = jaxscale.autocast(lambda a, b: jaxscale.autocast(halve, enabled=False)(a, b))
+    np.testing.assert_allclose(fine(2.0 * jnp.eye(2), jnp.ones(2)), [1.0, 1.0])
 
 
 def test_under_jit_it_is_traced_once_and_eager_agrees():
@@ -359,3 +364,28 @@ def test_the_wrapper_keeps_the_function_name_and_docstring():
 
     wrapped = jaxscale.autocast(loss_fn)
     assert (wrapped.__name__, wrapped.__doc__) == ("loss_fn", "The loss.")
+
+
+def _scoped_matmul(w, x):
+    with jax.named_scope("attention_block"):
+        y = x @ w  # the line every re-bound operation of this matmul names
+    return jnp.tanh(y)
+
+
+def test_re_bound_operations_keep_the_users_line_and_named_scope():
+    from jax.extend import source_info_util
+
+    line = _scoped_matmul.__code__.co_firstlineno + 2
+    jaxpr = jax.make_jaxpr(jaxscale.autocast(_scoped_matmul))(W, X)
+    casts_and_dot = [
+        e for e in jaxpr.jaxpr.eqns if e.primitive.name in ("convert_element_type", "dot_general")
+    ][:3]
+    assert [e.primitive.name for e in casts_and_dot][-1] == "dot_general"
+    for eqn in casts_and_dot:
+        assert f"test_autocast.py:{line}" in source_info_util.summarize(eqn.source_info)
+        assert "attention_block" in str(eqn.source_info.name_stack)
+    # and in the compiled program's metadata, where profilers and XLA's errors read them
+    hlo = jax.jit(jaxscale.autocast(_scoped_matmul)).lower(W, X).as_text(debug_info=True)
+    dot_lines = [text for text in hlo.splitlines() if "dot_general" in text]
+    assert any("attention_block" in text for text in dot_lines)
+    assert f'test_autocast.py":{line}' in hlo

@@ -12,6 +12,7 @@ reach them in a model, so each row shows the cast that autocast makes.
 
 from __future__ import annotations
 
+import flax.linen
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +23,8 @@ from flax import nnx
 from jax import lax
 
 import jaxscale
-from jaxscale.casting import POLICY, Precision
+from jaxscale.casting import AS_TRACED, POLICY, UNSUPPORTED_HIGHER_ORDER, Precision
+from jaxscale.casting._policy import VERSION_SPECIFIC
 
 F16, BF16, F32, F64 = jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64
 RNG = np.random.default_rng(0)
@@ -64,6 +66,14 @@ LOWER_PRECISION = [
      lambda x: nnx.Conv(3, 2, (3, 3), rngs=nnx.Rngs(0))(x), (arr(1, 8, 8, 3),), F16),
     ("nnx.Einsum with bias",
      lambda x: nnx.Einsum("ab,bc->ac", (4, 3), (3,), rngs=nnx.Rngs(0))(x), (A,), F16),
+    # the bias still belongs to the matmul when its output is permuted or reshaped first
+    ("linear, transposed before its bias", lambda x, w, b: (x @ w).T + b[:, None],
+     (A, B, arr(4)), F16),
+    ("linear, reshaped before its bias", lambda x, w, b: (x @ w).reshape(2, 8) + b,
+     (A, B, arr(8)), F16),
+    ("einsum to a permuted layout, then its bias",
+     lambda x, w, b: jnp.einsum("bij,jk->kbi", x, w) + b[:, None, None],
+     (arr(2, 3, 4), B, arr(4)), F16),
 ]  # fmt: skip
 
 FLOAT32 = [
@@ -156,6 +166,41 @@ def test_output_dtype_is_pytorchs_cuda_autocast_dtype(op, fn, inputs, expected, 
     np.testing.assert_allclose(got, reference, rtol=2e-2, atol=2e-2, err_msg=op)
 
 
+BIG = arr(4, 16, low=300.0, high=1000.0)  # fits float16; its squares (up to 1e6) do not
+BIG_CASES = {
+    "nnx.LayerNorm": lambda x: nnx.LayerNorm(16, rngs=nnx.Rngs(0))(x),
+    "nnx.LayerNorm (fast variance off)": lambda x: nnx.LayerNorm(
+        16, use_fast_variance=False, rngs=nnx.Rngs(0)
+    )(x),
+    "nnx.GroupNorm": lambda x: nnx.GroupNorm(16, num_groups=4, rngs=nnx.Rngs(0))(x),
+    "nnx.RMSNorm": lambda x: nnx.RMSNorm(16, rngs=nnx.Rngs(0))(x),
+    "linen LayerNorm": lambda x: flax.linen.LayerNorm().apply({"params": {
+        "scale": jnp.ones(16), "bias": jnp.zeros(16)}}, x),
+    "l2 normalize": lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True),
+    "softmax of large logits": jax.nn.softmax,
+    "cross entropy of large logits": lambda x: optax.softmax_cross_entropy_with_integer_labels(
+        x, jnp.arange(4)).mean(),
+    "mse of large errors": lambda x: jnp.mean((x - 1.0) ** 2),
+    "sum past float16's range": jnp.sum,
+    "variance": jnp.var,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(BIG_CASES))
+def test_float32_ops_hold_activations_whose_squares_overflow_float16(name):
+    # Norms square their input (lax.square, integer_pow): under float16 autocast an
+    # activation of 300 squares to 9e4 > 65504, so those ops must run in float32
+    def fn(x):
+        return BIG_CASES[name](x @ jnp.eye(16))  # the activation comes out of a matmul
+
+    assert jax.eval_shape(jaxscale.autocast(lambda x: x @ jnp.eye(16)), BIG).dtype == F16
+    with third_party.standard_promotion():
+        out = np.asarray(jaxscale.autocast(fn)(BIG), np.float64)
+        plain = np.asarray(fn(BIG), np.float64)
+    assert np.all(np.isfinite(out)), name
+    np.testing.assert_allclose(out, plain, rtol=2e-2, atol=2e-2, err_msg=name)
+
+
 def test_a_float16_input_keeps_the_casts_jax_wrote_for_it():
     # jnp.sum of a float16 array accumulates in float32 and casts back to float16:
     # that cast is in the traced program, and autocast keeps casts as written
@@ -226,3 +271,86 @@ def test_an_unlisted_primitive_runs_exactly_as_traced():
     fn = jaxscale.autocast(lambda a: lax.bitcast_convert_type(jnp.tanh(a @ a), jnp.int32))
     assert fn(A).dtype == jnp.int32
     assert fn(A).shape == (4, 4)
+
+
+# -- every primitive of the running JAX has a decision -------------------------------------------
+
+_LIST_PRIMITIVES = """
+import sys
+import jax, jax.numpy, jax.nn, jax.scipy.special, jax.scipy.linalg, jax.random, jax.lax
+import jax.experimental, jax.ad_checkpoint, jax.custom_derivatives, jax.experimental.shard_map
+from jax._src import core
+names = set()
+for module in list(sys.modules.values()):
+    if getattr(module, "__name__", "").startswith("jax"):
+        for value in list(vars(module).values()):
+            if isinstance(value, core.Primitive):
+                names.add(value.name)
+print(" ".join(sorted(names)))
+"""
+
+
+@pytest.fixture(scope="module")
+def running_jax_primitives():
+    import subprocess
+    import sys
+
+    # a fresh interpreter with a fixed set of imports: what is loaded here depends on
+    # which tests this worker ran before
+    result = subprocess.run(
+        [sys.executable, "-c", _LIST_PRIMITIVES], capture_output=True, text=True, check=True
+    )
+    names = set(result.stdout.split())
+    assert len(names) > 200
+    return names
+
+
+def _decided():
+    from jaxscale.casting._interpreter import _OPAQUE_WITH_JAXPR, HIGHER_ORDER
+
+    return {
+        "policy row": set(POLICY),
+        "higher-order rule": set(HIGHER_ORDER),
+        "first-order with its own update jaxpr": set(_OPAQUE_WITH_JAXPR),
+        "as traced on purpose": set(AS_TRACED),
+        "refused higher-order": set(UNSUPPORTED_HIGHER_ORDER),
+    }
+
+
+def test_every_primitive_of_the_running_jax_has_a_decision(running_jax_primitives):
+    decided = set().union(*_decided().values())
+    assert running_jax_primitives - decided == set()
+
+
+def test_every_primitive_name_jaxscale_lists_exists_in_the_running_jax(running_jax_primitives):
+    for where, names in _decided().items():
+        missing = names - running_jax_primitives - set(VERSION_SPECIFIC)
+        assert missing == set(), where
+
+
+def test_no_primitive_is_decided_twice():
+    groups = list(_decided().values())
+    for i, first in enumerate(groups):
+        for second in groups[i + 1 :]:
+            assert not first & second, first & second
+
+
+def test_checkpoint_name_keeps_the_autocast_dtype():
+    from jax.ad_checkpoint import checkpoint_name
+
+    fn = jaxscale.autocast(lambda a: checkpoint_name(a @ a, "h") + 1.0)
+    jaxpr = jax.make_jaxpr(fn)(A)
+    named = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "name"]
+    assert [str(e.outvars[0].aval.dtype) for e in named] == ["float16"]
+    assert fn(A).dtype == F16
+
+
+def test_linalg_solve_runs_in_the_dtype_it_was_written_in():
+    def solve(a, b):
+        return jnp.linalg.solve(a @ a.T + 4 * jnp.eye(4, dtype=a.dtype), b)
+
+    with third_party.standard_promotion():
+        got = jaxscale.autocast(solve)(A, B)
+        expected = solve(A, B)
+    assert got.dtype == F32
+    np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)

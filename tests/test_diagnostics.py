@@ -155,6 +155,13 @@ def test_nonfinite_paths_names_the_culprits():
     assert jaxscale.nonfinite_paths({"w": jnp.ones(3)}) == []
 
 
+def test_nonfinite_paths_on_a_tree_of_floats_and_a_boolean_mask():
+    # a mask among gradients or activations is a value, not a flag: only floats are read
+    tree = {"mask": jnp.array([True, False]), "w": jnp.array([1.0, jnp.inf]), "b": jnp.ones(2)}
+    assert jaxscale.nonfinite_paths(tree) == ["['w']"]
+    assert jaxscale.nonfinite_paths({"mask": jnp.array([True]), "b": jnp.ones(2)}) == []
+
+
 def test_nonfinite_paths_refuses_to_run_inside_jit():
     with pytest.raises(TypeError, match="cannot run inside jit"):
         jax.jit(jaxscale.nonfinite_paths)(TREE)
@@ -247,6 +254,21 @@ def test_opt_in_warnings_when_the_scale_is_out_of_range():
         warnings.simplefilter("error")
         jaxscale.metrics(opt_state, warn_below=1.0, warn_above=8.0)  # in range: silent
         jaxscale.metrics(opt_state)  # no thresholds: never reads the scale
+
+
+def test_a_scale_exactly_at_a_threshold():
+    # below warn_below warns, at it does not; at warn_above warns, below it does not
+    opt_state = jaxscale.grad_scaler(optax.sgd(0.1), init_scale=4.0).init(jnp.zeros(1))
+    scaler = GradScaler(init_scale=4.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jaxscale.metrics(opt_state, warn_below=4.0)
+        scaler.metrics(warn_below=4.0)
+        jaxscale.metrics(opt_state, warn_above=np.nextafter(np.float32(4.0), np.float32(5.0)))
+    with pytest.warns(jaxscale.ScaleWarning, match="below 4.00001"):
+        jaxscale.metrics(opt_state, warn_below=4.00001)
+    with pytest.warns(jaxscale.ScaleWarning, match="at or above 4"):
+        scaler.metrics(warn_above=4.0)
 
 
 def test_thresholds_inside_jit_raise_instead_of_syncing():

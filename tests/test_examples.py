@@ -82,6 +82,7 @@ def test_flagship_flags(tmp_path):
     assert summary["final_scale"] == 1.0
 
 
+@pytest.mark.slow
 def test_precision_comparison(tmp_path):
     report = run(
         "compare_precisions", ["--steps", "15", "--devices", "4", "--plot", str(tmp_path / "c.png")]
@@ -102,6 +103,7 @@ def test_clip_gradients():
     assert len(results) == 2
 
 
+@pytest.mark.torch
 def test_pytorch_side_by_side_trajectories_are_identical():
     torch_scales, jax_scales = run("pytorch_side_by_side", ["--steps", "40"])
     assert torch_scales == jax_scales

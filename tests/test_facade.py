@@ -15,6 +15,7 @@ import third_party
 import torch
 from flax import nnx
 from flax.training import train_state
+from model_training import SMALL_X, SMALL_Y, SmallMLP, small_mlp_loss
 
 from jaxscale import GradScaler
 
@@ -24,20 +25,7 @@ NOT_SCALED = (
 )
 
 
-class MLP(nnx.Module):
-    def __init__(self, rngs):
-        self.first = nnx.Linear(4, 8, rngs=rngs)
-        self.second = nnx.Linear(8, 2, rngs=rngs)
-
-    def __call__(self, x):
-        return self.second(jnp.tanh(self.first(x)))
-
-
-X, Y = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), jnp.ones((3, 2))
-
-
-def loss_fn(model):
-    return jnp.mean((model(X) - Y) ** 2)
+MLP, X, Y, loss_fn = SmallMLP, SMALL_X, SMALL_Y, small_mlp_loss
 
 
 def exactly(message):
@@ -428,6 +416,36 @@ def test_two_optimizers_skip_separately_and_back_off_once():
     assert float(new0["w"][0]) == 0.0  # stepped: 1 - 1
     assert float(new1["w"][0]) == 2.0  # skipped
     assert scaler.get_scale() == 64.0
+
+
+@pytest.mark.parametrize("overflowing", [0, 1])
+def test_found_inf_between_step_and_update_is_any_optimizers(overflowing):
+    # PyTorch sums the per-device found_inf of every optimizer: one overflow is enough
+    scaler = GradScaler(init_scale=128.0)
+    txs = [optax.sgd(1.0), optax.sgd(1.0)]
+    params = [{"w": jnp.array([1.0])}, {"w": jnp.array([2.0])}]
+    g = jax.grad(lambda p: scaler.scale(jnp.sum(p["w"])))
+    for i, (tx, p) in enumerate(zip(txs, params, strict=True)):
+        grads = poisoned(g(p)) if i == overflowing else g(p)
+        scaler.step(tx, grads, tx.init(p), p)
+    assert scaler.found_inf() is True
+    assert scaler.found_inf(txs[overflowing]) is True
+    assert scaler.found_inf(txs[1 - overflowing]) is False
+    scaler.update()
+    assert scaler.found_inf() is True
+
+
+def test_metrics_report_the_overflow_streak_apart_from_the_growth_tracker():
+    scaler = GradScaler(init_scale=128.0, hysteresis=3)
+    tx, params = optax.sgd(1.0), {"w": jnp.array([1.0])}
+    g = jax.grad(lambda p: scaler.scale(jnp.sum(p["w"])))
+    for grads in (g(params), poisoned(g(params)), poisoned(g(params))):
+        scaler.step(tx, grads, tx.init(params), params)
+        scaler.update()
+    metrics = scaler.metrics()
+    assert int(metrics["overflow_streak"]) == 2  # two overflows tolerated so far
+    assert int(metrics["growth_tracker"]) == 0
+    assert float(metrics["scale"]) == 128.0
 
 
 def test_disabled_step_runs_the_optimizer():

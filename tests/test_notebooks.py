@@ -28,7 +28,15 @@ def test_committed_with_outputs(path):
     assert any("image/png" in output.get("data", {}) for cell in code for output in cell.outputs)
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def _marked(path):
+    # the porting notebook runs PyTorch beside jaxscale
+    marks = [pytest.mark.slow]
+    if "import torch" in path.read_text():
+        marks.append(pytest.mark.torch)
+    return pytest.param(path, marks=marks, id=path.stem)
+
+
+@pytest.mark.parametrize("path", [_marked(path) for path in NOTEBOOKS])
 def test_executes(path):
     notebook = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(

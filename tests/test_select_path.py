@@ -17,7 +17,8 @@ import pytest
 import third_party
 from flax import nnx
 from flax.training import train_state
-from test_facade import MLP, loss_fn
+from model_training import SmallMLP as MLP
+from model_training import small_mlp_loss as loss_fn
 
 import jaxscale
 

@@ -403,3 +403,19 @@ def test_enabled_transform_rejects_the_state_of_a_disabled_one():
         ValueError, match="this grad_scaler is enabled but was given the state of a disabled one"
     ):
         tx.update(jax.grad(loss_fn)(PARAMS), disabled_state, PARAMS)
+
+
+def test_params_with_non_array_leaves_and_none_gradients_are_accepted_as_in_optax():
+    # An Equinox model passed whole as params holds functions and integer buffers;
+    # gradients from eqx.filter_grad are None there, and for frozen parameters.
+    params = {"w": jnp.ones(2), "act": jax.nn.relu, "frozen": jnp.ones(3), "steps": jnp.int32(3)}
+    grads = {"w": jnp.full(2, 4.0), "act": None, "frozen": None, "steps": None}
+    tx = jaxscale.grad_scaler(optax.sgd(1.0), init_scale=4.0)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    np.testing.assert_array_equal(updates["w"], [-1.0, -1.0])
+    assert updates["frozen"] is None
+    # per-example gradients (a leading batch axis) match their parameter too
+    per_example = {"w": jnp.ones((5, 2))}
+    tx.update(per_example, tx.init({"w": jnp.zeros((5, 2))}), {"w": params["w"]})
+    with pytest.raises(ValueError, match=r"the gradient at \['w'\] has shape \(5, 3\)"):
+        tx.update({"w": jnp.ones((5, 3))}, tx.init({"w": jnp.zeros((5, 3))}), {"w": params["w"]})

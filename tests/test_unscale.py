@@ -137,6 +137,20 @@ def test_the_gpu_reciprocal_falls_back_to_division_where_the_result_is_not_norma
     np.testing.assert_array_equal(got, np.asarray(1.0 / scales))
 
 
+def test_the_gpu_reciprocal_of_a_scale_between_2_126_and_2_127_is_the_divisions():
+    # 1/scale is subnormal there: the long division's exponent would underflow, so the
+    # platform's own division decides (0 where it flushes subnormals, the exact value
+    # where it keeps them); never the long division's pattern, which is half of it
+    rng = np.random.default_rng(2)
+    binade = rng.integers(0x7E800001, 0x7F000000, 2_000, dtype=np.uint32).view(np.float32)
+    scales = jnp.asarray(np.concatenate([binade, np.float32([1.5 * 2.0**126])]))
+    got = np.asarray(jax.jit(correctly_rounded_reciprocal)(scales)).view(np.uint32)
+    division = np.asarray(jax.jit(lambda s: 1.0 / s)(scales)).view(np.uint32)
+    np.testing.assert_array_equal(got, division)
+    exact = (1.0 / np.asarray(scales, np.float64)).astype(np.float32).view(np.uint32)
+    assert np.all((got == 0) | (got == exact))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_scale_outputs_keeps_structure_and_dtypes(mode):
     outputs = {

@@ -5,8 +5,10 @@ CUDA autocast policy, the table :data:`POLICY` from primitive to precision.
 """
 
 from jaxscale.casting._autocast import autocast as autocast
+from jaxscale.casting._policy import AS_TRACED as AS_TRACED
 from jaxscale.casting._policy import POLICY as POLICY
+from jaxscale.casting._policy import UNSUPPORTED_HIGHER_ORDER as UNSUPPORTED_HIGHER_ORDER
 from jaxscale.casting._policy import Precision as Precision
 from jaxscale.casting._policy import Row as Row
 
-__all__ = ["POLICY", "Precision", "Row", "autocast"]
+__all__ = ["AS_TRACED", "POLICY", "UNSUPPORTED_HIGHER_ORDER", "Precision", "Row", "autocast"]

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxscale.casting import _higher_order  # noqa: F401  (registers the higher-order rules)
+from jaxscale.casting._hidden_state import refuse_inside_hidden_state
 from jaxscale.casting._interpreter import MARKER, Autocaster, cast_floating
 from jaxscale.casting._state import StatefulCall
 from jaxscale.core import validation
@@ -99,6 +100,7 @@ def autocast(
         with jax.named_scope(scope):
             if not enabled:
                 return fn(*args, **kwargs)
+            refuse_inside_hidden_state(getattr(fn, "__name__", type(fn).__name__))
             return _run(Autocaster(dtype), fn, args, kwargs)
 
     return autocast_fn

@@ -10,25 +10,30 @@ its carry's type to be the same on every iteration.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from jaxscale.casting._interpreter import (
     HIGHER_ORDER,
     Autocaster,
     Tag,
-    bind_protocol,
     cast,
     cast_floating,
     is_floating,
     widest,
 )
+from jaxscale.casting._policy import FLOAT32_FUNCTIONS
+from jaxscale.core._jaxprs import bind_in_context, bind_protocol, is_literal, jit_defined_in_jax
 
 Result = tuple[list[Any], list[Tag]]
+_HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 
 def _register(*names: str) -> Any:
@@ -40,16 +45,22 @@ def _register(*names: str) -> Any:
     return decorate
 
 
-def _shapes(avals: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
-    return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-
-
-@_register("jit", "pjit", "closed_call", "core_call")
+@_register("jit", "closed_call")  # closed_call: JAX before 0.12
 def _inline_call(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
     # A nested jit changes nothing inside an enclosing trace: its equations are
     # evaluated in place, so matmul/bias facts flow across its boundary too.
     closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if jit_defined_in_jax(eqn) in FLOAT32_FUNCTIONS:
+        invals = [autocaster.cast(v, jnp.float32) if v.dtype in _HALF else v for v in invals]
     return autocaster.eval(closed.jaxpr, closed.consts, invals, in_tags)
+
+
+@_register("custom_linear_solve")
+def _as_traced(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
+    # jnp.linalg.solve and the iterative solvers: linear algebra runs as written (see
+    # AS_TRACED in the policy), so the equation is bound again on its traced dtypes.
+    traced = [v.aval.dtype for v in eqn.invars]
+    return bind_in_context(eqn, cast_floating(invals, traced)), []
 
 
 @_register("scan")
@@ -137,7 +148,7 @@ def _cond(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag
     return list(lax.switch(index, [unified(b) for b in branches], *operands)), []
 
 
-@_register("checkpoint", "remat2", "remat")
+@_register("remat2")  # jax.checkpoint, nnx.remat
 def _remat(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
     jaxpr = eqn.params["jaxpr"]
 
@@ -152,96 +163,163 @@ def _remat(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Ta
 
 @_register("custom_jvp_call")
 def _custom_jvp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
-    # The primal and the user's JVP rule both run under autocast; the rule is traced
-    # from JAX's own re-binding protocol (get_bind_params) at the traced dtypes.
+    # The primal runs under autocast now; the user's JVP rule runs under autocast when
+    # JAX differentiates, and only then, with the tangents JAX gives it (symbolic
+    # zeros where it has them), as JAX would run the rule itself.
     call = eqn.params["call_jaxpr"]
-    (_, rule), _ = bind_protocol(eqn)
-    traced = _shapes(call.in_avals)
-    tangent_shapes = [jax.ShapeDtypeStruct(s.shape, _tangent_dtype(s.dtype)) for s in traced]
-    rule_jaxpr = jax.make_jaxpr(lambda *xs: rule.call_wrapped(*xs))(*traced, *tangent_shapes)
+    wants_symbolic_zeros = eqn.params["symbolic_zeros"]
+    traced = list(call.in_avals)  # abstract values: shapes, dtypes, varying mesh axes
 
-    @jax.custom_jvp
     def primal(*args: Any) -> list[Any]:
         return autocaster.run(call, args)
 
-    @primal.defjvp
-    def jvp(primals: Any, tangents: Any) -> Any:
+    def jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         out_shapes = jax.eval_shape(primal, *primals)
-        dtypes = [s.dtype for s in out_shapes]
-        tangents = [t if _is_float0(t) else cast(t, p.dtype) for t, p in zip(tangents, primals)]  # noqa: B905
-        outs = autocaster.run(rule_jaxpr, [*primals, *tangents])
+        if not wants_symbolic_zeros:
+            tangents = [_instantiate(t) for t in tangents]
+        (_, rule), _ = bind_protocol(eqn)
+        given = _Arguments([*primals, *tangents], [*traced, *map(_tangent_aval, traced)])
+        zero_outputs: list[Any] = []
+
+        def traced_rule(*arrays: Any) -> list[Any]:
+            outs = list(rule.call_wrapped(*given.merge(arrays)))
+            zero_outputs[:] = [None if _is_array(o) else o for o in outs]
+            return [o for o in outs if _is_array(o)]
+
+        rule_jaxpr = jax.make_jaxpr(traced_rule)(*given.traced_arrays)
+        arrays = iter(autocaster.run(rule_jaxpr, given.arrays))
+        outs = [next(arrays) if zero is None else zero for zero in zero_outputs]
         half = len(outs) // 2
-        primal_out = cast_floating(outs[:half], dtypes)
+        primal_out = cast_floating(outs[:half], [s.dtype for s in out_shapes])
         tangent_out = [
-            t if _is_float0(t) else cast(t, d)
-            for t, d in zip(outs[half:], [_tangent_dtype(d) for d in dtypes], strict=True)
+            t if not _is_array(t) or _is_float0(t) else cast(t, _tangent_dtype(s.dtype))
+            for t, s in zip(outs[half:], out_shapes, strict=True)
         ]
         return primal_out, tangent_out
 
-    return list(primal(*invals)), []
+    rebuilt = jax.custom_jvp(primal)
+    rebuilt.defjvp(jvp, symbolic_zeros=True)
+    return list(rebuilt(*invals)), []
 
 
 @_register("custom_vjp_call")
 def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
-    # The user's forward and backward rules are kept, and both run under autocast.
+    # The primal runs under autocast now; the user's forward and backward rules run
+    # under autocast when JAX differentiates, and only then, with the perturbation
+    # flags and symbolic zero cotangents JAX gives them.
     call = eqn.params["call_jaxpr"]
-    num_consts = eqn.params["num_consts"]
-    (_, fwd, bwd), bind_params = bind_protocol(eqn)
-    traced = _shapes(call.in_avals)
-    nonzeros = [False] * num_consts + [True] * (len(traced) - num_consts)
+    wants_symbolic_zeros = eqn.params["symbolic_zeros"]
+    traced = list(call.in_avals)  # abstract values: shapes, dtypes, varying mesh axes
+    cotangent_avals = [_tangent_aval(a) for a in call.out_avals]
 
-    def forward(*vals: Any) -> Any:
-        pairs = [x for pair in zip(vals, nonzeros, strict=True) for x in pair]
-        return fwd.call_wrapped(*pairs)
-
-    fwd_jaxpr = jax.make_jaxpr(forward)(*traced)
-    trees = bind_params["out_trees"]()
-    res_tree = trees[1]
-    forwarded = list(trees[2]) if len(trees) > 2 else [None] * res_tree.num_leaves
-    computed = res_tree.num_leaves - sum(f is not None for f in forwarded)
-    res_shapes = iter(_shapes(fwd_jaxpr.out_avals[:computed]))
-    residual_shapes = [next(res_shapes) if f is None else traced[f] for f in forwarded]
-    cotangent_shapes = [
-        jax.ShapeDtypeStruct(a.shape, _tangent_dtype(a.dtype)) for a in call.out_avals
-    ]
-    zero_outputs: list[bool] = []
-
-    def backward(*args: Any) -> list[Any]:
-        outs = bwd.call_wrapped(*args)
-        if (
-            len(outs) == 2
-            and isinstance(outs[0], (list, tuple))
-            and not isinstance(outs[1], jax.Array | jax.core.Tracer)
-        ):
-            outs = outs[0]  # JAX 0.12 and later return (cotangents, backward-pass logs)
-        outs = list(outs)
-        zero_outputs[:] = [not hasattr(o, "shape") or type(o).__name__ == "Zero" for o in outs]
-        return [o for o, zero in zip(outs, zero_outputs, strict=True) if not zero]
-
-    bwd_jaxpr = jax.make_jaxpr(backward)(*residual_shapes, *cotangent_shapes)
-
-    @jax.custom_vjp
     def primal(*args: Any) -> list[Any]:
         return autocaster.run(call, args)
 
-    def primal_fwd(*args: Any) -> Any:
-        dtypes = [s.dtype for s in jax.eval_shape(primal, *args)]
-        outs = autocaster.run(fwd_jaxpr, args)
-        computed_res = iter(outs[:computed])
-        residuals = [next(computed_res) if f is None else args[f] for f in forwarded]
-        return cast_floating(outs[computed:], dtypes), (residuals, list(args))
+    def forward(*inputs: Any) -> tuple[list[Any], tuple[list[Any], _BackwardFacts]]:
+        values = [i.value for i in inputs]
+        perturbed = [bool(i.perturbed) for i in inputs]
+        (_, fwd, _), bind_params = bind_protocol(eqn)
 
-    def primal_bwd(saved: Any, cotangents: Any) -> tuple[Any, ...]:
-        residuals, args = saved
-        nonzero = iter(autocaster.run(bwd_jaxpr, [*residuals, *cotangents]))
+        def traced_forward(*vals: Any) -> Any:
+            return fwd.call_wrapped(*[x for pair in zip(vals, perturbed) for x in pair])  # noqa: B905
+
+        fwd_jaxpr = jax.make_jaxpr(traced_forward)(*traced)
+        _, res_tree, *rest = bind_params["out_trees"]()
+        forwarded = list(rest[0]) if rest else [None] * res_tree.num_leaves
+        computed = res_tree.num_leaves - sum(f is not None for f in forwarded)
+        outs = autocaster.run(fwd_jaxpr, values)
+        # A residual the forward rule returned as a constant reaches the backward rule
+        # as JAX passes it: the very value (a Python bool steering its code stays one).
+        computed_values = iter(
+            var.val if is_literal(var) else out
+            for var, out in zip(fwd_jaxpr.jaxpr.outvars[:computed], outs, strict=False)
+        )
+        computed_avals = iter(fwd_jaxpr.out_avals[:computed])
+        residuals, residual_avals = [], []
+        for f in forwarded:
+            residuals.append(next(computed_values) if f is None else values[f])
+            residual_avals.append(next(computed_avals) if f is None else traced[f])
+        out_dtypes = [s.dtype for s in jax.eval_shape(primal, *values)]
+        facts = _BackwardFacts(
+            tuple(residual_avals),
+            tuple(np.dtype(_tangent_dtype(v.dtype)) for v in values),
+        )
+        return cast_floating(outs[computed:], out_dtypes), (residuals, facts)
+
+    def backward(saved: tuple[list[Any], _BackwardFacts], cotangents: Any) -> tuple[Any, ...]:
+        residuals, facts = saved
+        if not wants_symbolic_zeros:
+            cotangents = [_instantiate(c) for c in cotangents]
+        (_, _, bwd), _ = bind_protocol(eqn)
+        given = _Arguments([*residuals, *cotangents], [*facts.residuals, *cotangent_avals])
+        zero_outputs: list[bool] = []
+
+        def traced_backward(*arrays: Any) -> list[Any]:
+            outs = bwd.call_wrapped(*given.merge(arrays))
+            if len(outs) == 2 and isinstance(outs[0], (list, tuple)) and not _is_array(outs[1]):
+                outs = outs[0]  # JAX 0.12 and later return (cotangents, backward-pass logs)
+            zero_outputs[:] = [not _is_array(o) for o in outs]
+            return [o for o in outs if _is_array(o)]
+
+        bwd_jaxpr = jax.make_jaxpr(traced_backward)(*given.traced_arrays)
+        nonzero = iter(autocaster.run(bwd_jaxpr, given.arrays))
         grads = []
-        for arg, zero in zip(args, zero_outputs, strict=True):
-            grad = jnp.zeros(arg.shape, _tangent_dtype(arg.dtype)) if zero else next(nonzero)
-            grads.append(grad if _is_float0(grad) else cast(grad, _tangent_dtype(arg.dtype)))
+        for dtype, zero in zip(facts.input_tangents, zero_outputs, strict=True):
+            grad = None if zero else next(nonzero)
+            keep = grad is None or _is_float0(grad) or dtype == jax.dtypes.float0
+            grads.append(grad if keep else cast(grad, dtype))
         return tuple(grads)
 
-    primal.defvjp(primal_fwd, primal_bwd)
-    return list(primal(*invals)), []
+    rebuilt = jax.custom_vjp(primal)
+    rebuilt.defvjp(forward, backward, symbolic_zeros=True)
+    return list(rebuilt(*invals)), []
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _BackwardFacts:
+    """What a custom_vjp's backward rule needs from its forward, beside the residuals:
+    the residuals' traced abstract values and the tangent dtype of each input."""
+
+    residuals: tuple[Any, ...]
+    input_tangents: tuple[np.dtype, ...]
+
+
+class _Arguments:
+    """A rule's arguments, split into JAX arrays (inputs of the rule's jaxpr, traced
+    at the dtypes the rule was written for) and the rest, which the rule receives
+    as they are: symbolic zeros, float0 zeros, and constants the forward rule
+    returned (a Python bool among the residuals may steer the backward rule's
+    code, as it does when JAX runs the rule)."""
+
+    def __init__(self, values: Sequence[Any], traced: Sequence[Any]):
+        self._values = list(values)
+        self._is_input = [isinstance(v, jax.Array) and not _is_float0(v) for v in values]
+        self.arrays = [v for v, use in zip(values, self._is_input, strict=True) if use]
+        self.traced_arrays = [t for t, use in zip(traced, self._is_input, strict=True) if use]
+
+    def merge(self, arrays: Sequence[Any]) -> list[Any]:
+        fresh = iter(arrays)
+        return [next(fresh) if use else v for v, use in zip(self._values, self._is_input)]  # noqa: B905
+
+
+def _instantiate(value: Any) -> Any:
+    """A symbolic zero as the array of zeros it stands for; anything else unchanged."""
+    if isinstance(value, SymbolicZero):
+        return (
+            np.zeros(value.shape, value.dtype)
+            if value.dtype == jax.dtypes.float0
+            else (jnp.zeros(value.shape, value.dtype))
+        )
+    return value
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, (jax.Array, np.ndarray, np.generic))
+
+
+def _tangent_aval(aval: Any) -> Any:
+    return aval.update(dtype=_tangent_dtype(aval.dtype))
 
 
 @_register("shard_map")

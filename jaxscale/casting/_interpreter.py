@@ -17,6 +17,15 @@ casts need:
 * ``PRODUCT``: the output of a matmul or convolution, through reshapes and
   transposes. A bias added to it is cast to its dtype, since PyTorch's ``linear``,
   ``conv`` and ``addmm`` include their bias.
+* ``CONSTANT``: known when the function was traced (a literal, a constant the
+  trace captured, or computed from such alone). Narrowed to float16 or bfloat16
+  it saturates at the dtype's largest finite value instead of becoming inf: a
+  mask fill of ``jnp.finfo(jnp.float32).min`` or ``-1e9`` stays a large negative
+  number, as PyTorch's ``finfo(scores.dtype).min``, read at run time, is.
+
+Every equation is evaluated inside its own context (:func:`equation_context`):
+the casts and operations it becomes carry the user's source line, name stack and
+sharding context.
 """
 
 from __future__ import annotations
@@ -28,10 +37,17 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import core as jex
 
 from jaxscale.casting._policy import Precision, row_for
-from jaxscale.core import bind_equation as bind
+from jaxscale.core._jaxprs import (
+    bind_in_context,
+    contains_jaxpr,
+    equation_context,
+    is_literal,
+    is_variable,
+    literal_value,
+    name_stack_text,
+)
 
 # The named scope every autocast call runs under. Equations traced under it were
 # already decided by that (inner) autocast, so an enclosing one leaves them as traced.
@@ -43,15 +59,16 @@ class Tag(enum.Flag):
     SCALAR = enum.auto()
     BROADCAST = enum.auto()
     PRODUCT = enum.auto()
+    CONSTANT = enum.auto()
 
 
 # Primitives that move values without arithmetic: what a value is survives them.
-_VIEWS = {"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p"}
+_VIEWS = {"reshape", "transpose", "squeeze", "copy", "name", "device_put"}
 # First-order primitives that carry a jaxpr of their own (an update or reduction
 # function): not higher-order in meaning, so they run as traced.
 _OPAQUE_WITH_JAXPR = {
     "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
-    "scatter_apply", "reduce", "reduce_window", "select_and_scatter",
+    "reduce", "reduce_window", "select_and_scatter",
     "select_and_scatter_add", "select_and_gather_add",
 }  # fmt: skip
 _LOWER_ELIGIBLE = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
@@ -95,28 +112,28 @@ def widest(a: Any, b: Any) -> np.dtype:
     return a if a.itemsize > b.itemsize else b
 
 
-def has_jaxpr(value: Any) -> bool:
-    if isinstance(value, (jex.Jaxpr, jex.ClosedJaxpr)):
-        return True
-    return isinstance(value, (tuple, list)) and any(has_jaxpr(v) for v in value)
+def narrows_range(source: Any, target: Any) -> bool:
+    """Whether a floating ``source`` dtype holds finite values ``target`` cannot."""
+    return bool(jnp.finfo(target).max < jnp.finfo(source).max)
+
+
+def saturating_cast(value: Any, dtype: Any) -> Any:
+    """``value`` in the narrower floating ``dtype``, finite values clipped to its range.
+
+    Infinities and NaN stay what they are; a finite value beyond ``dtype``'s largest
+    becomes that largest value (with its sign) instead of an infinity.
+    """
+    limit = float(jnp.finfo(dtype).max)
+    if isinstance(value, (np.ndarray, np.generic)):  # a literal: clipped now
+        known = np.where(np.isinf(value), value, np.clip(value, -limit, limit))
+        return np.asarray(known, dtype=value.dtype).astype(dtype)
+    bound = np.asarray(limit, value.dtype)
+    traced = lax.select(lax.is_finite(value), lax.clamp(-bound, value, bound), value)
+    return lax.convert_element_type(traced, dtype)
 
 
 def is_marked(eqn: Any) -> bool:
-    return MARKER in str(eqn.source_info.name_stack)
-
-
-def bind_protocol(eqn: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``(subfuns, params)`` by JAX's own protocol for binding a traced equation again.
-
-    ``get_bind_params`` turns a higher-order primitive's inner jaxprs back into the
-    functions its ``bind`` takes. Recent JAX returns one dict holding them under
-    ``"subfuns"``; earlier versions return the pair.
-    """
-    result = eqn.primitive.get_bind_params(eqn.params)
-    if isinstance(result, tuple):
-        return tuple(result[0]), dict(result[1])
-    result = dict(result)
-    return tuple(result.pop("subfuns", ())), result
+    return MARKER in name_stack_text(eqn)
 
 
 class Autocaster:
@@ -128,18 +145,30 @@ class Autocaster:
         # operations is converted once: {(id(value), dtype): (value, cast value)}.
         self._casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
 
-    def cast(self, value: Any, dtype: Any) -> Any:
-        """``cast(value, dtype)``, reusing this jaxpr's earlier cast of the same value."""
+    def cast(self, value: Any, dtype: Any, tag: Tag = Tag.NONE) -> Any:
+        """``value`` in ``dtype``, reusing this jaxpr's earlier cast of the same value.
+
+        A :attr:`Tag.CONSTANT` value narrowed to a smaller range saturates
+        (:func:`saturating_cast`).
+        """
         if value.dtype == dtype:
             return value
+        saturate = Tag.CONSTANT in tag and narrows_range(value.dtype, dtype)
         key = (id(value), np.dtype(dtype))
         if key not in self._casts:  # the value is kept in the entry, so its id stays its own
-            self._casts[key] = (value, cast(value, dtype))
+            narrowed = saturating_cast(value, dtype) if saturate else cast(value, dtype)
+            self._casts[key] = (value, narrowed)
         return self._casts[key][1]
 
-    def run(self, closed: Any, args: Sequence[Any]) -> list[Any]:
-        """Evaluate a ``ClosedJaxpr`` on ``args``; returns its outputs."""
-        return self.eval(closed.jaxpr, closed.consts, args)[0]
+    def run(
+        self, closed: Any, args: Sequence[Any], arg_tags: Sequence[Tag] | None = None
+    ) -> list[Any]:
+        """Evaluate a ``ClosedJaxpr`` on ``args``; returns its outputs.
+
+        Its constants were captured when it was traced: they are :attr:`Tag.CONSTANT`.
+        """
+        const_tags = [Tag.CONSTANT] * len(closed.consts)
+        return self.eval(closed.jaxpr, closed.consts, args, arg_tags, const_tags)[0]
 
     def eval(
         self,
@@ -147,11 +176,12 @@ class Autocaster:
         consts: Sequence[Any],
         args: Sequence[Any],
         arg_tags: Sequence[Tag] | None = None,
+        const_tags: Sequence[Tag] | None = None,
     ) -> tuple[list[Any], list[Tag]]:
         """Evaluate an open ``Jaxpr``; returns its outputs and what they are (:class:`Tag`)."""
         outer_casts, self._casts = self._casts, {}
         try:
-            return self._eval(jaxpr, consts, args, arg_tags)
+            return self._eval(jaxpr, consts, args, arg_tags, const_tags)
         finally:
             self._casts = outer_casts
 
@@ -161,54 +191,62 @@ class Autocaster:
         consts: Sequence[Any],
         args: Sequence[Any],
         arg_tags: Sequence[Tag] | None,
+        const_tags: Sequence[Tag] | None,
     ) -> tuple[list[Any], list[Tag]]:
         env: dict[Any, Any] = {}
         tags: dict[Any, Tag] = {}
 
         def read(atom: Any) -> Any:
-            if isinstance(atom, jex.Literal):
-                return np.asarray(atom.val, dtype=atom.aval.dtype)  # type: ignore[attr-defined]
-            return env[atom]
+            return literal_value(atom) if is_literal(atom) else env[atom]
 
         def tag_of(atom: Any) -> Tag:
+            if is_literal(atom):
+                return Tag.SCALAR | Tag.CONSTANT
             shape = getattr(atom.aval, "shape", None)
-            if isinstance(atom, jex.Literal):
-                return Tag.SCALAR
             return (Tag.SCALAR if shape == () else Tag.NONE) | tags.get(atom, Tag.NONE)
 
         def write(var: Any, value: Any, tag: Tag) -> None:
-            if not isinstance(var, jex.DropVar):
+            if is_variable(var):
                 env[var] = value
                 tags[var] = tag
 
         arg_tags = arg_tags or [Tag.NONE] * len(args)
-        for var, value in zip(jaxpr.constvars, consts, strict=True):
-            write(var, value, Tag.NONE)
+        const_tags = const_tags or [Tag.NONE] * len(consts)
+        for var, value, tag in zip(jaxpr.constvars, consts, const_tags, strict=True):
+            write(var, value, tag)
         for var, value, tag in zip(jaxpr.invars, args, arg_tags, strict=True):
             write(var, value, tag)
 
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
             in_tags = [tag_of(v) for v in eqn.invars]
-            name = eqn.primitive.name
-            if is_marked(eqn):
-                traced = [v.aval.dtype for v in eqn.invars]
-                outvals, out_tags = bind(eqn, cast_floating(invals, traced)), None
-            elif name in HIGHER_ORDER:
-                outvals, out_tags = HIGHER_ORDER[name](self, eqn, invals, in_tags)
-            elif any(has_jaxpr(p) for p in eqn.params.values()) and name not in _OPAQUE_WITH_JAXPR:
-                raise NotImplementedError(
-                    f"jaxscale.autocast does not know the higher-order primitive {name!r}, "
-                    "so it cannot cast the operations inside it. Call that part outside "
-                    "autocast, or inside jaxscale.autocast(..., enabled=False)."
-                )
-            else:
-                outvals, out_tags = self.first_order(eqn, invals, in_tags)
-            out_tags = out_tags or [Tag.NONE] * len(outvals)
+            with equation_context(eqn):
+                outvals, out_tags = self._equation(eqn, invals, in_tags)
             for var, value, tag in zip(eqn.outvars, outvals, out_tags, strict=True):
                 write(var, value, tag)
 
         return [read(v) for v in jaxpr.outvars], [tag_of(v) for v in jaxpr.outvars]
+
+    def _equation(
+        self, eqn: Any, invals: list[Any], in_tags: list[Tag]
+    ) -> tuple[list[Any], list[Tag]]:
+        """One equation's outputs and their tags, evaluated in its own context."""
+        name = eqn.primitive.name
+        out_tags: list[Tag] | None = None
+        if is_marked(eqn):
+            traced = [v.aval.dtype for v in eqn.invars]
+            outvals = bind_in_context(eqn, cast_floating(invals, traced))
+        elif name in HIGHER_ORDER:
+            outvals, out_tags = HIGHER_ORDER[name](self, eqn, invals, in_tags)
+        elif any(contains_jaxpr(p) for p in eqn.params.values()) and name not in _OPAQUE_WITH_JAXPR:
+            raise NotImplementedError(
+                f"jaxscale.autocast does not know the higher-order primitive {name!r}, "
+                "so it cannot cast the operations inside it. Call that part outside "
+                "autocast, or inside jaxscale.autocast(..., enabled=False)."
+            )
+        else:
+            outvals, out_tags = self.first_order(eqn, invals, in_tags)
+        return outvals, out_tags or [Tag.NONE] * len(outvals)
 
     # -- first-order equations ----------------------------------------------------------
 
@@ -227,22 +265,29 @@ class Autocaster:
             )
 
         if precision is Precision.AS_TRACED:
-            invals = cast_floating(invals, traced)
+            invals = [
+                self.cast(v, d, t) if is_floating(v.dtype) and is_floating(d) else v
+                for v, d, t in zip(invals, traced, in_tags, strict=True)
+            ]
         elif precision is Precision.LOWER:
             floating = [v for v in invals if is_floating(v.dtype)]
             if floating and all(v.dtype in _LOWER_ELIGIBLE for v in floating):
-                invals = [self.cast(v, self.dtype) if is_floating(v.dtype) else v for v in invals]
+                invals = [
+                    self.cast(v, self.dtype, t) if is_floating(v.dtype) else v
+                    for v, t in zip(invals, in_tags, strict=True)
+                ]
                 if is_floating(params.get("preferred_element_type")):
                     params["preferred_element_type"] = self.dtype
         elif precision is Precision.FLOAT32:
             invals = [self.cast(v, jnp.float32) if v.dtype in _HALF else v for v in invals]
         elif name in ("add", "add_any") and _is_bias_add(eqn, invals, in_tags):
             product = 0 if Tag.PRODUCT in in_tags[0] else 1
-            invals[1 - product] = self.cast(invals[1 - product], invals[product].dtype)
+            addend = 1 - product
+            invals[addend] = self.cast(invals[addend], invals[product].dtype, in_tags[addend])
         else:
             invals = self._promote_to_widest(invals, in_tags, traced)
 
-        outvals = bind(eqn, invals, params)
+        outvals = bind_in_context(eqn, invals, params)
         return outvals, _output_tags(name, precision, eqn, in_tags, len(outvals))
 
     def _promote_to_widest(
@@ -261,7 +306,7 @@ class Autocaster:
             for i in arrays[1:]:
                 target = widest(target, invals[i].dtype)
             for i in members:
-                out[i] = self.cast(invals[i], target)
+                out[i] = self.cast(invals[i], target, in_tags[i])
         return out
 
 
@@ -282,10 +327,19 @@ def _is_bias_add(eqn: Any, invals: list[Any], in_tags: list[Tag]) -> bool:
 def _output_tags(
     name: str, precision: Precision, eqn: Any, in_tags: list[Tag], count: int
 ) -> list[Tag]:
+    """What each output is: the input's facts through views and broadcasts, a product
+    after a matmul, and a constant when every input is one."""
+    constant = Tag.CONSTANT if all(Tag.CONSTANT in t for t in in_tags) else Tag.NONE
+    return [tag | constant for tag in _structural_tags(name, precision, eqn, in_tags, count)]
+
+
+def _structural_tags(
+    name: str, precision: Precision, eqn: Any, in_tags: list[Tag], count: int
+) -> list[Tag]:
     if precision is Precision.LOWER:
         return [Tag.PRODUCT] * count
     if name in _VIEWS:
-        return [in_tags[0]] * count
+        return [in_tags[0] & ~Tag.CONSTANT] * count
     if name == "convert_element_type":
         return [in_tags[0] & (Tag.SCALAR | Tag.BROADCAST)]
     if name == "broadcast_in_dim":

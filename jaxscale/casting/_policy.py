@@ -68,6 +68,7 @@ _TABLE: list[tuple[str, Precision, str]] = [
     ("exp2", FLOAT32, "exp (base 2)"),
     ("expm1", FLOAT32, "expm1"),
     ("log", FLOAT32, "log, log10, log2; the log in log_softmax and the losses"),
+    ("log2", FLOAT32, "log2 (a primitive of its own from JAX 0.12)"),
     ("log1p", FLOAT32, "log1p, softplus"),
     ("pow", FLOAT32, "pow, __pow__, __rpow__"),
     ("integer_pow", FLOAT32, "pow with an integer exponent: x ** 2 in mse_loss and norms, "
@@ -104,35 +105,155 @@ _TABLE: list[tuple[str, Precision, str]] = [
     ("erfc", WIDEST, _PROMOTES), ("lgamma", WIDEST, _PROMOTES), ("digamma", WIDEST, _PROMOTES),
     ("eq", WIDEST, _PROMOTES), ("ne", WIDEST, _PROMOTES), ("lt", WIDEST, _PROMOTES),
     ("le", WIDEST, _PROMOTES), ("gt", WIDEST, _PROMOTES), ("ge", WIDEST, _PROMOTES),
+    ("eq_to", WIDEST, "total-order comparison (searchsorted, interp)"),
+    ("lt_to", WIDEST, "total-order comparison (searchsorted, interp)"),
+    ("le_to", WIDEST, "total-order comparison (searchsorted, interp)"),
+    ("one_minus_square", WIDEST, "1 - x**2, the derivative of tanh (JAX 0.12)"),
+    ("polynomial", WIDEST, "polyval (Horner's rule, JAX 0.12)"),
     ("select_n", WIDEST, "where, masked_fill (type promotion)"),
     ("clamp", WIDEST, "clamp (type promotion)"),
     ("reduce_max", WIDEST, "max, amax"), ("reduce_min", WIDEST, "min, amin"),
     ("argmax", WIDEST, "argmax"), ("argmin", WIDEST, "argmin"), ("cummax", WIDEST, "cummax"),
     ("cummin", WIDEST, "cummin"), ("sort", WIDEST, "sort"), ("top_k", WIDEST, "topk"),
+    ("approx_top_k", WIDEST, "topk (approximate)"),
     ("reduce_window_max", WIDEST, "max_pool"), ("reduce_window_min", WIDEST, "-max_pool(-x)"),
     ("reduce_window_sum", WIDEST, "avg_pool (not in PyTorch's lists)"),
     ("reshape", WIDEST, _MOVES), ("broadcast_in_dim", WIDEST, _MOVES),
-    ("transpose", WIDEST, _MOVES), ("squeeze", WIDEST, _MOVES), ("expand_dims", WIDEST, _MOVES),
+    ("transpose", WIDEST, _MOVES), ("squeeze", WIDEST, _MOVES),
     ("rev", WIDEST, _MOVES), ("slice", WIDEST, _MOVES), ("dynamic_slice", WIDEST, _MOVES),
     ("dynamic_update_slice", WIDEST, _MOVES), ("gather", WIDEST, "indexing, embedding"),
     ("concatenate", WIDEST, "cat (PyTorch's promote list)"), ("pad", WIDEST, _MOVES),
-    ("split", WIDEST, _MOVES), ("copy", WIDEST, _MOVES), ("copy_p", WIDEST, _MOVES),
+    ("split", WIDEST, _MOVES), ("copy", WIDEST, _MOVES), ("device_put", WIDEST, _MOVES),
+    ("name", WIDEST, "checkpoint_name: names a value for remat policies, keeps its dtype"),
     ("convert_element_type", WIDEST, ".to(dtype), .float(), .half(): kept as written"),
     ("stop_gradient", WIDEST, "detach"), ("optimization_barrier", WIDEST, _MOVES),
-    ("sharding_constraint", WIDEST, _MOVES), ("mesh_cast", WIDEST, _MOVES),
-    ("reshard", WIDEST, _MOVES),
+    ("sharding_constraint", WIDEST, _MOVES), ("reshard", WIDEST, _MOVES),
     ("psum", WIDEST, _COLLECTIVE), ("pmax", WIDEST, _COLLECTIVE), ("pmin", WIDEST, _COLLECTIVE),
     ("psum_invariant", WIDEST, _COLLECTIVE), ("all_gather", WIDEST, _COLLECTIVE),
     ("all_gather_invariant", WIDEST, _COLLECTIVE), ("ppermute", WIDEST, _COLLECTIVE),
-    ("all_to_all", WIDEST, _COLLECTIVE), ("psum_scatter", WIDEST, _COLLECTIVE),
+    ("all_to_all", WIDEST, _COLLECTIVE),
     ("reduce_scatter", WIDEST, _COLLECTIVE), ("pbroadcast", WIDEST, _COLLECTIVE),
-    ("pvary", WIDEST, _COLLECTIVE), ("pcast", WIDEST, _COLLECTIVE),
+    ("pvary", WIDEST, _COLLECTIVE),
 ]  # fmt: skip
 
 POLICY: Mapping[str, Row] = {name: Row(precision, ops) for name, precision, ops in _TABLE}
 """Primitive name -> :class:`Row`: the precision it runs in and the PyTorch ops it stands for."""
 
 _UNLISTED = Row(Precision.AS_TRACED, "not in the table: runs as traced")
+
+FLOAT32_FUNCTIONS: Mapping[str, str] = {
+    "norm": "norm, linalg.norm, linalg.vector_norm, normalize (jnp.linalg.norm squares its "
+    "input with a multiplication, which in float16 would overflow from 256 up)",
+    "vector_norm": "linalg.vector_norm",
+    "matrix_norm": "linalg.matrix_norm",
+}
+"""Functions of JAX's own library (jitted, so they appear as one ``jit`` equation) that
+PyTorch's float32 list names as ops: their floating inputs are cast to float32 and
+everything inside runs from there, as PyTorch runs the op in float32."""
+
+
+def _group(reason: str, names: str) -> dict[str, str]:
+    return dict.fromkeys(names.split(), reason)
+
+
+AS_TRACED: Mapping[str, str] = {
+    **_group(
+        "random numbers and keys",
+        "random_bits random_clone random_fold_in random_gamma random_seed random_split "
+        "random_unwrap random_wrap rng_bit_generator rng_uniform threefry2x32 threefry4x32 "
+        "philox2x32 philox4x32 iota_2x32_shape",
+    ),
+    **_group(
+        "bits, integers, booleans and indices (no floating arithmetic)",
+        "and or not xor clz population_count shift_left shift_right_arithmetic "
+        "shift_right_logical mulhi bitcast_convert_type reduce_and reduce_or reduce_xor iota "
+        "zeros_like axis_index dimension_size dim_as_value platform_index create_token after_all "
+        "program_order",
+    ),
+    **_group(
+        "linear algebra: PyTorch's autocast has no half-precision rule for it; it runs in "
+        "the dtype it was written in",
+        "cholesky cholesky_update eig eigh geqp3 geqrf hessenberg householder_product lu "
+        "lu_pivots_to_permutation ormqr qr schur svd symmetric_product triangular_solve "
+        "tridiagonal tridiagonal_solve",
+    ),
+    **_group(
+        "special functions (not in PyTorch's lists)",
+        "bessel_i0e bessel_i1e igamma igamma_grad_a igammac polygamma "
+        "regularized_incomplete_beta zeta",
+    ),
+    **_group("complex numbers (no half-precision counterpart)", "complex conj imag real"),
+    **_group("fft (PyTorch's float32 list)", "fft"),
+    **_group(
+        "matmuls whose precision the caller chose: float8 scaled matmuls, grouped (ragged) "
+        "matmuls and cuDNN attention kernels",
+        "scaled_matmul scaled_matmul_wrapper scaled_dot ragged_dot_general "
+        "dot_product_attention_fwd dot_product_attention_bwd dot_product_attention_fwd_wrapper "
+        "dot_product_attention_bwd_wrapper dot_product_attention_fp8_fwd "
+        "dot_product_attention_fp8_bwd dot_product_attention_fp8_fwd_wrapper "
+        "dot_product_attention_fp8_bwd_wrapper",
+    ),
+    **_group(
+        "host callbacks, foreign functions and checks",
+        "pure_callback io_callback debug_callback debug_print inspect_sharding ffi_call "
+        "shape_assertion unreachable",
+    ),
+    **_group(
+        "asynchronous halves of collectives, point-to-point transfers and sharding casts",
+        "all_gather_start all_gather_done all_gather_reduced all_gather_reduced_start "
+        "all_to_all_start all_to_all_done ppermute_start ppermute_done psum_start psum_done "
+        "psum_invariant_start reduce_scatter_start reduce_scatter_done pbroadcast_start "
+        "pbroadcast_done pbroadcast_dynamic ragged_all_to_all psend precv preduced "
+        "unreduced_psum unreduced_psum_start unreduced_pmax unreduced_pmin "
+        "unreduced_reduce_scatter unreduced_reduce_scatter_start reduced_vary_cast "
+        "reduced_vary_cast_p vary_unreduced_cast vary_unreduced_cast_p layout_constraint "
+        "relayout with_memory_space_constraint pin unpin",
+    ),
+    **_group(
+        "mutable references, boxes and logs (JAX's state primitives)",
+        "get swap addupdate accum_grad_in_ref new_ref empty_ref free_ref freeze box_get box_set "
+        "new_box log_extend log_read new_log empty empty2 tie dce_sink to_edtype from_edtype "
+        "stage",
+    ),
+    **_group(
+        "JAX's experimental high-level array primitives",
+        "broadcast_to stack unstack tile create_linear call_hi_primitive "
+        "call_hi_primitive_linearized",
+    ),
+}
+"""First-order primitives that run as traced on purpose, each with the reason. With
+:data:`POLICY`, the higher-order rules and :data:`UNSUPPORTED_HIGHER_ORDER` this names
+every primitive JAX 0.10 to 0.12 defines (a test checks the running JAX against it)."""
+
+UNSUPPORTED_HIGHER_ORDER: Mapping[str, str] = _group(
+    "a higher-order primitive autocast does not reach inside: it raises NotImplementedError "
+    "naming it (call that part inside jaxscale.autocast(..., enabled=False))",
+    "call call_exported composite custom_lin custom_partitioning custom_vmap_call "
+    "custom_jvp_call_jaxpr eval_jaxpr linear_call remat_opt run_state cudnn_fusion",
+)
+"""Higher-order primitives that autocast refuses, with the reason."""
+
+VERSION_SPECIFIC: Mapping[str, str] = {
+    **_group(
+        "JAX 0.10 only",
+        "box_get box_set call closed_call log_extend log_read new_box new_log pbroadcast_done "
+        "pbroadcast_start psum_start unreduced_psum_start unreduced_reduce_scatter_start",
+    ),
+    **_group("JAX 0.10 and 0.11", "reduced_vary_cast_p vary_unreduced_cast_p"),
+    **_group(
+        "JAX 0.10.1 and later", "mulhi philox2x32 philox4x32 stack stage threefry4x32 unstack"
+    ),
+    **_group(
+        "JAX 0.11 and later",
+        "log2 one_minus_square relayout unreduced_pmax unreduced_pmin with_memory_space_constraint",
+    ),
+    **_group("JAX 0.11 only", "program_order"),
+    **_group(
+        "JAX 0.12 and later",
+        "pbroadcast_dynamic polynomial reduced_vary_cast vary_unreduced_cast",
+    ),
+}
+"""Primitive names above that exist in some supported JAX versions only."""
 
 
 def row_for(primitive_name: str) -> Row:

@@ -66,15 +66,30 @@ def floating_leaves(tree: Any) -> list[jax.Array]:
 
 
 def require_matching(grads: Any, params: Any) -> None:
-    """Raise ``ValueError`` unless ``grads`` has the tree structure and shapes of ``params``.
+    """Raise ``ValueError`` unless ``grads`` matches ``params`` leaf for leaf, in shape.
 
     Checked before a step so that a mismatch is reported by name, before anything
-    is traced or changed, rather than deep inside the optimizer.
+    is traced or changed, rather than deep inside the optimizer. As in Optax, a
+    ``None`` gradient (at a leaf or over a whole subtree) means "no update here",
+    and parameters that are not floating arrays (an Equinox module's activation
+    function, an integer buffer) need no gradient. A gradient's shape is its
+    parameter's, or that shape after leading batch axes (per-example gradients).
     """
-    grad_leaves = dict(jax.tree_util.tree_flatten_with_path(grads)[0])
-    param_leaves = dict(jax.tree_util.tree_flatten_with_path(params)[0])
-    missing = [jax.tree_util.keystr(k) for k in param_leaves if k not in grad_leaves]
-    extra = [jax.tree_util.keystr(k) for k in grad_leaves if k not in param_leaves]
+    grad_leaves = dict(_leaves_with_paths(grads))
+    param_leaves = dict(_leaves_with_paths(params))
+    no_update = {path for path, grad in grad_leaves.items() if grad is None}
+    missing = [
+        jax.tree_util.keystr(path)
+        for path, param in param_leaves.items()
+        if path not in grad_leaves
+        and _is_floating_array(param)
+        and not any(path[:n] in no_update for n in range(len(path)))
+    ]
+    extra = [
+        jax.tree_util.keystr(path)
+        for path, grad in grad_leaves.items()
+        if path not in param_leaves and grad is not None
+    ]
     if missing or extra:
         problems = []
         if missing:
@@ -85,9 +100,23 @@ def require_matching(grads: Any, params: Any) -> None:
             "the gradients do not match the parameters' tree structure: " + "; ".join(problems)
         )
     for path, grad in grad_leaves.items():
+        if grad is None or param_leaves[path] is None:
+            continue
         shape, expected = np.shape(grad), np.shape(param_leaves[path])
-        if shape != expected:
+        # per-example gradients (as optax.contrib.differentially_private_aggregate
+        # takes them) carry leading batch axes before the parameter's shape
+        if shape[len(shape) - len(expected) :] != expected or len(shape) < len(expected):
             raise ValueError(
                 f"the gradient at {jax.tree_util.keystr(path)} has shape {shape}, "
                 f"but its parameter has shape {expected}"
             )
+
+
+def _leaves_with_paths(tree: Any) -> list[tuple[Any, Any]]:
+    """``(path, leaf)`` pairs of ``tree``, with ``None`` kept as a leaf."""
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda node: node is None)[0]
+
+
+def _is_floating_array(leaf: Any) -> bool:
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))

@@ -8,9 +8,8 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jex
 
-from jaxscale.core._jaxprs import bind_equation
+from jaxscale.core._jaxprs import bind_equation, is_literal, is_variable, literal_value
 
 T = TypeVar("T")
 
@@ -73,21 +72,18 @@ def _outputs_to_select(jaxpr: Any, olds: list[Any]) -> dict[Any, Any]:
     through, a literal, or returned in several places is left out: the caller
     selects it once the whole ``jaxpr`` has run.
     """
-    counts = collections.Counter(var for var in jaxpr.outvars if isinstance(var, jex.Var))
+    counts = collections.Counter(var for var in jaxpr.outvars if is_variable(var))
     passed_through = set(jaxpr.invars) | set(jaxpr.constvars)
     return {
         var: old
         for var, old in zip(jaxpr.outvars, olds, strict=True)
-        if old is not None
-        and isinstance(var, jex.Var)
-        and counts[var] == 1
-        and var not in passed_through
+        if old is not None and is_variable(var) and counts[var] == 1 and var not in passed_through
     }
 
 
 def _is_selected(var: Any, selected: dict[Any, Any]) -> bool:
     """Whether the output ``var`` (a variable, or a literal, never selected) is in ``selected``."""
-    return isinstance(var, jex.Var) and var in selected
+    return is_variable(var) and var in selected
 
 
 def _evaluate_selecting(
@@ -101,14 +97,14 @@ def _evaluate_selecting(
     env: dict[Any, Any] = {}
 
     def read(var: Any) -> Any:
-        return var.val if isinstance(var, jex.Literal) else env[var]
+        return literal_value(var) if is_literal(var) else env[var]
 
     env.update(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
     for eqn in jaxpr.eqns:
         invals = [read(var) for var in eqn.invars]
         handled: set[Any] = set()
-        if eqn.primitive.name in ("pjit", "jit"):
+        if eqn.primitive.name == "jit":
             inner = eqn.params["jaxpr"]
             olds = [selected.get(var) for var in eqn.outvars]
             inner_selected = _outputs_to_select(inner.jaxpr, olds)

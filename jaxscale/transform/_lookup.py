@@ -8,12 +8,19 @@ with ``nnx.Variable`` leaves. The helpers here walk any such pytree, find the on
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxscale.core import disabled_metrics, scale_outputs, scaler_metrics, warn_if_unhealthy
+from jaxscale.core import (
+    ScalerState,
+    disabled_metrics,
+    scale_outputs,
+    scaler_metrics,
+    warn_if_unhealthy,
+)
 from jaxscale.transform._grad_scaler import GradScalerState
 
 
@@ -23,17 +30,45 @@ def _array(leaf: Any) -> jax.Array:
     return get_value() if callable(get_value) else leaf
 
 
+def _as_grad_scaler_state(node: Any) -> GradScalerState | None:
+    """``node`` as a :class:`GradScalerState`, if it is one.
+
+    Besides the state itself, this recognises the mapping ``nnx.state`` makes of
+    it (``nnx.split``/``nnx.merge`` loops and checkpoint restores hold that): a
+    mapping with ``"scaler"`` (a mapping of :class:`ScalerState`'s fields) and
+    ``"inner_state"``, or with ``"inner_state"`` alone for a disabled scaler.
+    """
+    if isinstance(node, GradScalerState):
+        return node
+    if not isinstance(node, Mapping) or "inner_state" not in node:
+        return None
+    keys = set(node.keys())
+    if keys == {"inner_state"}:
+        return GradScalerState(scaler=None, inner_state=node["inner_state"])
+    scaler = node.get("scaler")
+    if keys != {"scaler", "inner_state"} or not isinstance(scaler, Mapping):
+        return None
+    if set(scaler.keys()) != set(ScalerState._fields):
+        return None
+    fields = {name: _array(scaler[name]) for name in ScalerState._fields}
+    return GradScalerState(scaler=ScalerState(**fields), inner_state=node["inner_state"])
+
+
 def find_state(opt_state: Any) -> GradScalerState:
     """Return the single :class:`GradScalerState` inside ``opt_state``.
+
+    ``opt_state`` may be any nesting of Optax states, a ``flax.nnx.Optimizer``'s
+    ``opt_state``, or the ``nnx.State`` that ``nnx.state(optimizer)["opt_state"]``
+    gives.
 
     Raises:
       ValueError: if ``opt_state`` holds no grad_scaler state, or more than one
         (then pass the sub-state of the one you mean).
     """
     leaves = jax.tree_util.tree_leaves(
-        opt_state, is_leaf=lambda node: isinstance(node, GradScalerState)
+        opt_state, is_leaf=lambda node: _as_grad_scaler_state(node) is not None
     )
-    found = [leaf for leaf in leaves if isinstance(leaf, GradScalerState)]
+    found = [state for state in map(_as_grad_scaler_state, leaves) if state is not None]
     if len(found) != 1:
         problem = "none" if not found else f"{len(found)}"
         hint = (
