@@ -24,6 +24,7 @@ import math
 import pydoc_data.topics
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -138,6 +139,7 @@ class Config:
     init_scale: float = 2.0**16
     growth_interval: int = 50
     seed: int = 0
+    locate: bool = True  # say where each skipped step's inf or NaN was born
 
     @property
     def label(self) -> str:
@@ -167,27 +169,35 @@ def build(
     return model, optimizer, scaler
 
 
-def train_step_body(config: Config) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
+def train_step_body(config: Config) -> Callable[..., tuple[Any, ...]]:
     """One PyTorch-style AMP iteration on the model, optimizer and scaler (not yet jitted)."""
     forward, devices = config.forward, config.devices
 
+    locate = config.locate and config.scaler and config.precision == "float16"
+
     def train_step(model, optimizer, scaler, x, y):
-        def scaled_loss(model):
+        def scaled_loss(model, x, y):
             loss = forward(model, x, y)  # PyTorch: with torch.autocast("cuda"): loss = ...
             return scaler.scale(loss / devices), loss  # this device's share of the global mean
 
-        grads, loss = nnx.grad(scaled_loss, has_aux=True)(model)
+        gradient = nnx.grad(scaled_loss, has_aux=True)
+        report = None
+        if locate:  # where an inf or NaN is born, forward or backward, in which layer
+            (grads, loss), report = jaxscale.locate_nonfinite(gradient)(model, x, y)
+        else:
+            grads, loss = gradient(model, x, y)
         grads = scaler.unscale_(optimizer, grads)
         grads = jax.tree.map(lambda g: g * devices, grads)  # stands in for the all-reduce
         scaler.step(optimizer, model, grads)
         scaler.update()
         # the scale for the next step, and whether this one was skipped (inf/NaN gradients)
-        return loss, jnp.asarray(scaler.get_scale(), jnp.float32), jnp.asarray(scaler.found_inf())
+        scale = jnp.asarray(scaler.get_scale(), jnp.float32)
+        return loss, scale, jnp.asarray(scaler.found_inf()), report
 
     return train_step
 
 
-def make_train_step(config: Config) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
+def make_train_step(config: Config) -> Callable[..., tuple[Any, ...]]:
     # Donating the model, optimizer and scaler lets XLA update them in place.
     return nnx.jit(train_step_body(config), donate_argnums=(0, 1, 2))
 
@@ -216,6 +226,8 @@ class History:
     loss: list[float] = dataclasses.field(default_factory=list)
     scale: list[float] = dataclasses.field(default_factory=list)
     skipped: list[bool] = dataclasses.field(default_factory=list)
+    # step (1-based) of each skipped step -> where its inf or NaN was born
+    origins: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 def train(
@@ -229,16 +241,18 @@ def train(
     train_step = make_train_step(config)
     stream = dataset.batches("train", config.batch_size, config.seq_len, seed=config.seed)
     history = History()
-    pending: list[tuple[jax.Array, jax.Array, jax.Array]] = []
+    pending: list[tuple[Any, ...]] = []
     start = time.perf_counter()
     for step in range(config.steps):
         pending.append(train_step(model, optimizer, scaler, *next(stream)))
         # read results back in small groups: one host sync per group, not per step
         if len(pending) == 10 or step == config.steps - 1:
-            for loss, scale, skipped in jax.device_get(pending):
+            for loss, scale, skipped, report in jax.device_get(pending):
                 history.loss.append(float(loss))
                 history.scale.append(float(scale))
                 history.skipped.append(bool(skipped))
+                if skipped and report is not None:
+                    history.origins[len(history.loss)] = report.describe()
             pending = []
             if on_step is not None:
                 on_step(step + 1, history)

@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"  validation accuracy  {summary['val_accuracy']:.2%} of next characters")
     print(f"  loss scale           {summary['final_scale']:g} at the end")
     print(f"  skipped steps        {int(summary['skipped_steps'])} of {config.steps}")
+    for step, origin in history.origins.items():  # from jaxscale.locate_nonfinite
+        print(f"    step {step:4d}: {origin}")
     print(f"  training time        {summary['seconds']:.1f} s")
     print(f"  plot                 {args.plot}")
     if args.sample:

@@ -17,12 +17,16 @@ from jaxscale.core import nonfinite_paths as nonfinite_paths
 from jaxscale.core import scale_outputs as scale_outputs
 from jaxscale.core import unscale_and_check as unscale_and_check
 from jaxscale.core import update_scale as update_scale
+from jaxscale.diagnosis import NonfiniteReport as NonfiniteReport
+from jaxscale.diagnosis import locate_nonfinite as locate_nonfinite
+from jaxscale.diagnosis import precision_stats as precision_stats
 from jaxscale.facade import GradScaler as GradScaler
 from jaxscale.facade import ScalerVariable as ScalerVariable
 from jaxscale.transform import GradScalerState as GradScalerState
 from jaxscale.transform import found_inf as found_inf
 from jaxscale.transform import get_scale as get_scale
 from jaxscale.transform import grad_scaler as grad_scaler
+from jaxscale.transform import last_overflow_origin as last_overflow_origin
 from jaxscale.transform import metrics as metrics
 from jaxscale.transform import scale as scale
 from jaxscale.transform import skipped_steps as skipped_steps
@@ -32,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "GradScaler",
     "GradScalerState",
+    "NonfiniteReport",
     "ScaleWarning",
     "ScalerState",
     "ScalerVariable",
@@ -42,9 +47,12 @@ __all__ = [
     "get_scale",
     "grad_scaler",
     "init_scaler_state",
+    "last_overflow_origin",
+    "locate_nonfinite",
     "metrics",
     "nonfinite_leaves",
     "nonfinite_paths",
+    "precision_stats",
     "scale",
     "scale_outputs",
     "skipped_steps",

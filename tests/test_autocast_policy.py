@@ -354,3 +354,27 @@ def test_linalg_solve_runs_in_the_dtype_it_was_written_in():
         expected = solve(A, B)
     assert got.dtype == F32
     np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [jax.nn.softmax, jax.nn.log_softmax, jax.scipy.special.logsumexp],
+    ids=["softmax", "log_softmax", "logsumexp"],
+)
+def test_softmax_subtracts_its_maximum_in_float32_as_pytorch_runs_the_op(fn):
+    # PyTorch casts softmax's input to float32 before anything else. In float16 a
+    # mask fill of -65504 minus a maximum of 16 or more rounds to -inf.
+    scores = jnp.array([[40.0, 1.0, 3.0], [2.0, 5.0, 7.0]], F32)
+    keep = np.array([[True, True, False], [True, False, False]])
+    masked = lambda s: fn(jnp.where(keep, s @ jnp.eye(3), -1e9))  # noqa: E731
+    with third_party.standard_promotion():
+        jaxpr = jax.make_jaxpr(jaxscale.autocast(masked))(scores)
+        subs = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "sub"]
+        assert subs and all(str(e.outvars[0].aval.dtype) == "float32" for e in subs[:1])
+        _, report = jaxscale.locate_nonfinite(jaxscale.autocast(masked))(scores)
+        got = np.asarray(jaxscale.autocast(masked)(scores), np.float64)
+    assert not bool(report.found), report.describe()
+    expected = np.asarray(masked(scores), np.float64)
+    if got.shape == keep.shape:  # a masked entry's log-probability saturates, as the fill did
+        got, expected = got[keep], expected[keep]
+    np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)

@@ -68,7 +68,14 @@ def test_signature_matches_pytorch():
     positional = [name for name, p in ours.items() if p.kind is not p.KEYWORD_ONLY]
     assert positional == list(theirs)
     extensions = [name for name, p in ours.items() if p.kind is p.KEYWORD_ONLY]
-    assert extensions == ["min_scale", "max_scale", "axis_name", "hysteresis", "dynamic"]
+    assert extensions == [
+        "min_scale",
+        "max_scale",
+        "axis_name",
+        "hysteresis",
+        "dynamic",
+        "record_overflow_origin",
+    ]
     for name in ["init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled"]:
         assert ours[name].default == theirs[name].default
     assert ours["device"].default is None  # PyTorch's is "cuda"; None follows JAX's backend

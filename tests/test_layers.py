@@ -28,6 +28,7 @@ LIBRARIES_KEPT_OUT = {
     "transform": ("flax",),
     "facade": (),
     "casting": ("optax", "flax"),
+    "diagnosis": ("optax", "flax"),
 }
 
 

@@ -13,8 +13,8 @@ import numpy as np
 from jaxscale.casting import _higher_order  # noqa: F401  (registers the higher-order rules)
 from jaxscale.casting._hidden_state import refuse_inside_hidden_state
 from jaxscale.casting._interpreter import MARKER, Autocaster, cast_floating
-from jaxscale.casting._state import StatefulCall
 from jaxscale.core import validation
+from jaxscale.core._stateful_call import TracedCall
 
 F = TypeVar("F", bound=Callable[..., Any])
 _DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
@@ -109,16 +109,11 @@ def autocast(
 def _run(
     autocaster: Autocaster, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    call = StatefulCall(fn, args, kwargs)
-    closed, (out_shape, state_shape) = jax.make_jaxpr(call.call_with, return_shape=True)(
-        call.state_leaves, call.array_leaves
-    )
-    outs = autocaster.run(closed, [*call.state_leaves, *call.array_leaves])
-    out_leaves, out_tree = jax.tree.flatten(out_shape)
-    results, new_state = outs[: len(out_leaves)], outs[len(out_leaves) :]
+    call = TracedCall(fn, args, kwargs)
+    outs = autocaster.run(call.closed, call.inputs)
+    count = len(outs) - len(call.state_dtypes)
     # state written by the call goes back in the dtypes it was traced with
-    call.write_back(cast_floating(new_state, [s.dtype for s in state_shape]))
-    return jax.tree.unflatten(out_tree, results)
+    return call.finish([*outs[:count], *cast_floating(outs[count:], call.state_dtypes)])
 
 
 def _validated_dtype(dtype: Any) -> np.dtype:

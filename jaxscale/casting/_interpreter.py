@@ -17,6 +17,12 @@ casts need:
 * ``PRODUCT``: the output of a matmul or convolution, through reshapes and
   transposes. A bias added to it is cast to its dtype, since PyTorch's ``linear``,
   ``conv`` and ``addmm`` include their bias.
+* ``MAXIMUM``, ``STABILIZER``: a maximum over an axis (``reduce_max``, through
+  broadcasts and the ``max`` with ``-inf`` JAX adds), and such a maximum held
+  constant by ``stop_gradient``. ``x - stop_gradient(max(x))`` is how
+  ``jax.nn.softmax``, ``log_softmax`` and ``logsumexp`` begin: PyTorch runs those
+  ops in float32, so that subtraction runs in float32 (in float16 a ``-65504`` mask
+  fill minus a maximum of 16 or more would round to ``-inf``).
 * ``CONSTANT``: known when the function was traced (a literal, a constant the
   trace captured, or computed from such alone). Narrowed to float16 or bfloat16
   it saturates at the dtype's largest finite value instead of becoming inf: a
@@ -60,6 +66,8 @@ class Tag(enum.Flag):
     BROADCAST = enum.auto()
     PRODUCT = enum.auto()
     CONSTANT = enum.auto()
+    MAXIMUM = enum.auto()
+    STABILIZER = enum.auto()
 
 
 # Primitives that move values without arithmetic: what a value is survives them.
@@ -263,6 +271,8 @@ class Autocaster:
                 if Tag.SCALAR in in_tags[0] and Tag.SCALAR not in in_tags[1]
                 else Precision.WIDEST
             )
+        if name == "sub" and Tag.STABILIZER in in_tags[1]:
+            precision = Precision.FLOAT32  # softmax's x - max(x): the op runs in float32
 
         if precision is Precision.AS_TRACED:
             invals = [
@@ -338,8 +348,11 @@ def _structural_tags(
 ) -> list[Tag]:
     if precision is Precision.LOWER:
         return [Tag.PRODUCT] * count
+    maximum = _maximum_tags(name, in_tags)
+    if maximum is not Tag.NONE:
+        return [maximum] * count
     if name in _VIEWS:
-        return [in_tags[0] & ~Tag.CONSTANT] * count
+        return [in_tags[0] & ~(Tag.CONSTANT | Tag.MAXIMUM | Tag.STABILIZER)] * count
     if name == "convert_element_type":
         return [in_tags[0] & (Tag.SCALAR | Tag.BROADCAST)]
     if name == "broadcast_in_dim":
@@ -347,3 +360,19 @@ def _structural_tags(
         grew = np.prod(source.shape, dtype=int) < np.prod(eqn.outvars[0].aval.shape, dtype=int)
         return [(in_tags[0] & (Tag.SCALAR | Tag.BROADCAST)) | (Tag.BROADCAST if grew else Tag.NONE)]
     return [Tag.NONE] * count
+
+
+def _maximum_tags(name: str, in_tags: list[Tag]) -> Tag:
+    """A maximum over an axis (and its stop_gradient) through the operations JAX's
+    softmax and logsumexp apply to it; ``Tag.NONE`` for anything else."""
+    if name == "reduce_max":
+        return Tag.MAXIMUM
+    carried = Tag.MAXIMUM | Tag.STABILIZER
+    if name == "stop_gradient" and Tag.MAXIMUM in in_tags[0]:
+        return Tag.STABILIZER
+    if name in ("broadcast_in_dim", "reshape", "stop_gradient", "convert_element_type"):
+        return in_tags[0] & carried
+    if name in ("max", "select_n"):  # max(-inf, m); where(isfinite(m), m, 0)
+        tags = [t & carried for t in in_tags if t & carried]
+        return tags[0] if tags else Tag.NONE
+    return Tag.NONE

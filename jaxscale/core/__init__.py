@@ -7,8 +7,11 @@ hyperparameters.
 """
 
 from jaxscale.core import _validation as validation
+from jaxscale.core._diagnostics import NonfiniteRecord as NonfiniteRecord
 from jaxscale.core._diagnostics import ScaleWarning as ScaleWarning
 from jaxscale.core._diagnostics import disabled_metrics as disabled_metrics
+from jaxscale.core._diagnostics import empty_nonfinite_record as empty_nonfinite_record
+from jaxscale.core._diagnostics import keep_overflow_record as keep_overflow_record
 from jaxscale.core._diagnostics import nonfinite_leaves as nonfinite_leaves
 from jaxscale.core._diagnostics import nonfinite_paths as nonfinite_paths
 from jaxscale.core._diagnostics import scaler_metrics as scaler_metrics
@@ -35,6 +38,7 @@ from jaxscale.core._state import init_scaler_state as init_scaler_state
 
 __all__ = [
     "AxisName",
+    "NonfiniteRecord",
     "ScaleUpdateRule",
     "ScaleWarning",
     "ScalerState",
@@ -43,9 +47,11 @@ __all__ = [
     "bind_equation",
     "correctly_rounded_reciprocal",
     "disabled_metrics",
+    "empty_nonfinite_record",
     "floating_leaves",
     "init_scaler_state",
     "inverse_scale",
+    "keep_overflow_record",
     "multiply_as_double",
     "nonfinite_leaves",
     "nonfinite_paths",

@@ -10,7 +10,7 @@ inside the step.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -132,3 +132,37 @@ def warn_if_unhealthy(
             ScaleWarning,
             stacklevel=3,
         )
+
+
+class NonfiniteRecord(NamedTuple):
+    """Where an inf or NaN was born, as arrays (the traced part of
+    :class:`jaxscale.NonfiniteReport`): whether one was, which entry of the report's
+    table, in which iteration of the innermost loop, and its kind (1 inf, 2 NaN)."""
+
+    found: jax.Array  # bool[]
+    entry: jax.Array  # int32[], -1 when nothing was found
+    iteration: jax.Array  # int32[], -1 outside loops
+    kind: jax.Array  # int32[], 0 when nothing was found
+
+
+def empty_nonfinite_record() -> NonfiniteRecord:
+    """The record of nothing found."""
+    return NonfiniteRecord(
+        jnp.asarray(False),
+        jnp.asarray(-1, jnp.int32),
+        jnp.asarray(-1, jnp.int32),
+        jnp.asarray(0, jnp.int32),
+    )
+
+
+def keep_overflow_record(
+    previous: NonfiniteRecord, found_inf: jax.Array, current: Any
+) -> NonfiniteRecord:
+    """``current`` (a report's record) where this step overflowed, else ``previous``:
+    the origin of the latest overflow, kept in a scaler's state."""
+    return NonfiniteRecord(
+        *(
+            jnp.where(found_inf, jnp.asarray(new, old.dtype), old)
+            for old, new in zip(previous, tuple(current), strict=True)
+        )
+    )

@@ -62,15 +62,28 @@ def contains_jaxpr(value: Any) -> bool:
 _JAX_SOURCE = os.path.dirname(os.path.abspath(jax.__file__))
 
 
+def jit_source(eqn: Any) -> str:
+    """Where the function a ``jit`` equation calls is defined (``"norm at /.../linalg.py:1152"``),
+    or ``""`` when JAX did not record it."""
+    closed = eqn.params.get("jaxpr")
+    debug_info = getattr(getattr(closed, "jaxpr", closed), "debug_info", None)
+    return getattr(debug_info, "func_src_info", None) or ""
+
+
 def jit_defined_in_jax(eqn: Any) -> str | None:
     """The name of the function a ``jit`` equation calls, when JAX itself defines it
     (``jnp.linalg.norm`` is a jitted function named ``norm``); else ``None``."""
-    closed = eqn.params.get("jaxpr")
-    debug_info = getattr(getattr(closed, "jaxpr", closed), "debug_info", None)
-    source = getattr(debug_info, "func_src_info", None) or ""
-    if _JAX_SOURCE not in source:
+    if _JAX_SOURCE not in jit_source(eqn):
         return None
     return str(eqn.params.get("name"))
+
+
+def equation_frames(eqn: Any) -> list[tuple[str, int, str]]:
+    """``(file, line, function)`` of the Python stack that traced ``eqn``, innermost first."""
+    traceback = eqn.source_info.traceback
+    if traceback is None:
+        return []
+    return [(f.file_name, f.line_num, f.function_name) for f in traceback.frames]
 
 
 def name_stack_text(eqn: Any) -> str:
@@ -120,6 +133,9 @@ def bind_in_context(
     eqn: Any, invals: Sequence[Any], params: dict[str, Any] | None = None
 ) -> list[Any]:
     """:func:`bind_equation` for a caller that has entered :func:`equation_context` itself."""
-    subfuns, bind_params = bind_protocol(eqn, params)
-    out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    result = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    if isinstance(result, tuple):  # (subfuns, params), before JAX 0.7
+        out = eqn.primitive.bind(*result[0], *invals, **result[1])
+    else:  # recent JAX: the functions travel among the params, under "subfuns"
+        out = eqn.primitive.bind(*invals, **result)
     return list(out) if eqn.primitive.multiple_results else [out]

@@ -21,9 +21,11 @@ from jaxscale.core import (
     all_finite,
     any_over_axis,
     disabled_metrics,
+    empty_nonfinite_record,
     floating_leaves,
     init_scaler_state,
     inverse_scale,
+    keep_overflow_record,
     scale_outputs,
     scaler_metrics,
     unscale,
@@ -46,6 +48,10 @@ _ACCELERATORS = {"cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
 class ScalerVariable(nnx.Variable):
     """The dynamic state of a :class:`GradScaler`: its core :class:`~jaxscale.ScalerState`."""
+
+
+class OverflowOriginVariable(nnx.Variable):
+    """Where the latest overflow of a :class:`GradScaler` was born (opt-in)."""
 
 
 def _device_kind(device: Any) -> str:
@@ -139,6 +145,10 @@ class GradScaler(nnx.Pytree):
         rule); every overflowing step is still skipped.
       dynamic: keyword-only, not in PyTorch: if False, the scale stays at
         ``init_scale`` (a static loss scale); non-finite steps are still skipped.
+      record_overflow_origin: keyword-only, not in PyTorch: keep where the inf or
+        NaN of the latest skipped iteration was born, from the
+        :func:`jaxscale.locate_nonfinite` report given to ``update`` (read it with
+        :meth:`last_overflow_origin`). Off by default, and then it costs nothing.
 
     >>> import jax.numpy as jnp, optax
     >>> from flax import nnx
@@ -172,8 +182,10 @@ class GradScaler(nnx.Pytree):
         axis_name: AxisName | None = None,
         hysteresis: int = 1,
         dynamic: bool = True,
+        record_overflow_origin: bool = False,
     ) -> None:
         validation.as_bool("enabled", enabled)
+        validation.as_bool("record_overflow_origin", record_overflow_origin)
         platform = _ACCELERATORS.get(_device_kind(device))
         if enabled and platform is not None and not _backend_available(platform):
             name = "CUDA" if platform == "gpu" else platform.upper()
@@ -198,6 +210,10 @@ class GradScaler(nnx.Pytree):
         self._axis_name = axis_name
         scale = validation.init_scale_within(init_scale, self._rule.min_scale, self._rule.max_scale)
         self._state = ScalerVariable(init_scaler_state(scale))
+        self._origin = (
+            OverflowOriginVariable(empty_nonfinite_record()) if record_overflow_origin else None
+        )
+        self._origin_report: tuple[type, Any] | None = None
 
     @property
     def _scaler_state(self) -> ScalerState:
@@ -275,8 +291,8 @@ class GradScaler(nnx.Pytree):
         self._iteration.store(optimizer, OptimizerRecord(Stage.STEPPED, found_inf))
         return result
 
-    @_when_enabled(lambda self, new_scale=None: None)
-    def update(self, new_scale: Any = None) -> None:
+    @_when_enabled(lambda self, new_scale=None, *, nonfinite_report=None: None)
+    def update(self, new_scale: Any = None, *, nonfinite_report: Any = None) -> None:
         """Update the scale for the next iteration, and clear the per-optimizer records.
 
         Backs off once if any optimizer's gradients held inf/NaN this iteration,
@@ -284,8 +300,18 @@ class GradScaler(nnx.Pytree):
         ``new_scale`` (a float, or an array with one element) sets the scale instead
         (the growth tracker is kept, as PyTorch does). Either way the iteration's
         ``found_inf`` is recorded and, when true, counted in :meth:`skipped_steps`.
+
+        ``nonfinite_report`` (keyword-only, for a scaler built with
+        ``record_overflow_origin=True``): this iteration's
+        :func:`jaxscale.locate_nonfinite` report; when the iteration overflowed, its
+        origin is kept for :meth:`last_overflow_origin`.
         """
         self._check_scale_called("update")
+        if nonfinite_report is not None and self._origin is None:
+            raise ValueError(
+                "update() was given nonfinite_report=, but this GradScaler keeps no overflow "
+                "origin; build it with GradScaler(..., record_overflow_origin=True)"
+            )
         found_infs = [
             r.found_inf for r in self._iteration.optimizers.values() if r.found_inf is not None
         ]
@@ -306,8 +332,39 @@ class GradScaler(nnx.Pytree):
             if not found_infs:
                 raise AssertionError("No inf checks were recorded prior to update.")
             state = self._rule.apply(state, functools.reduce(operator.or_, found_infs))
+        if nonfinite_report is not None and self._origin is not None:
+            kept = keep_overflow_record(
+                self._origin.get_value(), state.found_inf, nonfinite_report.record
+            )
+            self._origin.set_value(kept)
+            self._origin_report = (type(nonfinite_report), nonfinite_report.origins)
         self._set_scaler_state(state)
         self._iteration.finish()
+
+    def last_overflow_origin(self) -> Any:
+        """Where the inf or NaN of the latest skipped iteration was born, as a
+        :class:`jaxscale.NonfiniteReport` (``describe()`` gives one line for a log).
+
+        For a scaler built with ``record_overflow_origin=True`` whose ``update`` is given
+        each iteration's :func:`jaxscale.locate_nonfinite` report.
+
+        Raises:
+          ValueError: if the scaler keeps no overflow origin, or no report was given yet.
+        """
+        if not self._enabled or self._origin is None:
+            raise ValueError(
+                "this GradScaler keeps no overflow origin; build it with "
+                "GradScaler(..., record_overflow_origin=True)"
+            )
+        if self._origin_report is None:
+            raise ValueError(
+                "no nonfinite_report was given to update() yet: pass "
+                "scaler.update(nonfinite_report=report) with the report of "
+                "jaxscale.locate_nonfinite"
+            )
+        report_type, origins = self._origin_report
+        record = self._origin.get_value()
+        return report_type(type(record)(*record), origins)
 
     # -- was it skipped? ----------------------------------------------------------------
 

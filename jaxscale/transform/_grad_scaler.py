@@ -9,12 +9,15 @@ import optax
 
 from jaxscale.core import (
     AxisName,
+    NonfiniteRecord,
     ScalerState,
     ScaleUpdateRule,
     all_finite,
     any_over_axis,
+    empty_nonfinite_record,
     init_scaler_state,
     inverse_scale,
+    keep_overflow_record,
     require_matching,
     unscale,
     update_unless,
@@ -30,10 +33,14 @@ class GradScalerState(NamedTuple):
         ``found_inf`` and the count of skipped steps); ``None`` when the
         transform was built with ``enabled=False``.
       inner_state: the wrapped transform's state, untouched by skipped updates.
+      overflow_origin: with ``record_overflow_origin=True``, where the inf or NaN of
+        the latest skipped step was born (read it with
+        :func:`jaxscale.last_overflow_origin`); else ``None``.
     """
 
     scaler: ScalerState | None
     inner_state: Any
+    overflow_origin: NonfiniteRecord | None = None
 
 
 def grad_scaler(
@@ -49,6 +56,7 @@ def grad_scaler(
     max_scale: float | None = None,
     hysteresis: int = 1,
     dynamic: bool = True,
+    record_overflow_origin: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap an Optax optimizer with dynamic loss scaling, as ``torch.amp.GradScaler``.
 
@@ -88,6 +96,11 @@ def grad_scaler(
         default, is PyTorch's rule); every overflowing step is still skipped.
       dynamic: if False, the scale stays at ``init_scale`` (a static loss scale);
         non-finite steps are still skipped.
+      record_overflow_origin: if True, ``update`` takes the report of
+        :func:`jaxscale.locate_nonfinite` as the extra argument
+        ``nonfinite_report=`` and keeps, in the state, where the inf or NaN of the
+        latest skipped step was born (:func:`jaxscale.last_overflow_origin`). Off
+        by default, and then it costs nothing.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -123,11 +136,16 @@ def grad_scaler(
         dynamic=dynamic,
     )
     init_scale = validation.init_scale_within(init_scale, rule.min_scale, rule.max_scale)
+    record_origin = validation.as_bool("record_overflow_origin", record_overflow_origin)
     if not validation.as_bool("enabled", enabled):
         return _passthrough(inner)
 
     def init_fn(params: optax.Params) -> GradScalerState:
-        return GradScalerState(scaler=init_scaler_state(init_scale), inner_state=inner.init(params))
+        return GradScalerState(
+            scaler=init_scaler_state(init_scale),
+            inner_state=inner.init(params),
+            overflow_origin=empty_nonfinite_record() if record_origin else None,
+        )
 
     def update_fn(
         updates: optax.Updates,
@@ -139,6 +157,12 @@ def grad_scaler(
             raise ValueError(
                 "this grad_scaler is enabled but was given the state of a disabled one "
                 "(built with enabled=False); initialise the state with this transform's init"
+            )
+        report = extra_args.pop("nonfinite_report", None)
+        if report is not None and not record_origin:
+            raise ValueError(
+                "update() was given nonfinite_report=, but this grad_scaler keeps no overflow "
+                "origin; build it with grad_scaler(..., record_overflow_origin=True)"
             )
         if params is not None:
             require_matching(updates, params)
@@ -153,8 +177,13 @@ def grad_scaler(
         new_updates, new_inner_state = update_unless(
             found_inf, inner_update, updates, state.inner_state
         )
+        origin = state.overflow_origin
+        if origin is not None and report is not None:
+            origin = keep_overflow_record(origin, found_inf, report.record)
         return new_updates, GradScalerState(
-            scaler=rule.apply(state.scaler, found_inf), inner_state=new_inner_state
+            scaler=rule.apply(state.scaler, found_inf),
+            inner_state=new_inner_state,
+            overflow_origin=origin,
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale.core import (
+    NonfiniteRecord,
     ScalerState,
     disabled_metrics,
     scale_outputs,
@@ -45,13 +46,15 @@ def _as_grad_scaler_state(node: Any) -> GradScalerState | None:
     keys = set(node.keys())
     if keys == {"inner_state"}:
         return GradScalerState(scaler=None, inner_state=node["inner_state"])
-    scaler = node.get("scaler")
-    if keys != {"scaler", "inner_state"} or not isinstance(scaler, Mapping):
+    scaler, origin = node.get("scaler"), node.get("overflow_origin")
+    if not keys <= {"scaler", "inner_state", "overflow_origin"} or not isinstance(scaler, Mapping):
         return None
     if set(scaler.keys()) != set(ScalerState._fields):
         return None
     fields = {name: _array(scaler[name]) for name in ScalerState._fields}
-    return GradScalerState(scaler=ScalerState(**fields), inner_state=node["inner_state"])
+    if isinstance(origin, Mapping):
+        origin = NonfiniteRecord(*(_array(origin[name]) for name in NonfiniteRecord._fields))
+    return GradScalerState(ScalerState(**fields), node["inner_state"], origin)
 
 
 def find_state(opt_state: Any) -> GradScalerState:
@@ -170,3 +173,26 @@ def scale(loss_or_tree: Any, opt_state: Any) -> Any:
     if state.scaler is None:
         return loss_or_tree
     return scale_outputs(loss_or_tree, _array(state.scaler.scale))
+
+
+def last_overflow_origin(opt_state: Any, report: Any) -> Any:
+    """Where the inf or NaN of the latest skipped step was born, as a report.
+
+    For a :func:`grad_scaler` built with ``record_overflow_origin=True`` and given
+    each step's :func:`jaxscale.locate_nonfinite` report (``nonfinite_report=``).
+    ``report`` is any report of the same located function (the one this step
+    returned): it supplies the table the stored origin indexes. Returns a
+    :class:`jaxscale.NonfiniteReport`; its ``describe()`` is one line for a log,
+    ``"no inf or NaN was born in this call"`` before any overflow.
+
+    Raises:
+      ValueError: if the scaler keeps no overflow origin.
+    """
+    state = find_state(opt_state)
+    if state.overflow_origin is None:
+        raise ValueError(
+            "this grad_scaler keeps no overflow origin; build it with "
+            "grad_scaler(..., record_overflow_origin=True)"
+        )
+    stored = type(report.record)(*(_array(v) for v in state.overflow_origin))
+    return type(report)(stored, report.origins)

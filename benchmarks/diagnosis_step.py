@@ -1,0 +1,137 @@
+"""What ``jaxscale.locate_nonfinite`` and ``jaxscale.precision_stats`` cost when on.
+
+Two steps, each against itself without the diagnosis, in one process:
+
+* ``flagship``: the main example's train step (``examples/char_lm.py``: the character
+  transformer under autocast, GradScaler, Adam), jitted with its state donated; the
+  located variant wraps the gradient computation in ``locate_nonfinite``, as the
+  example does.
+* ``memory-bound``: Adam with ``jaxscale.grad_scaler`` on 10M float32 parameters in 50
+  leaves and the loss ``0.5 * sum((p - d) ** 2)``, the gradient in the same jit.
+
+Step time (median of interleaved repeats) and compile time (trace, lower and compile
+of a fresh function, median of three) are reported as ratios to the plain step.
+
+    python -m benchmarks.diagnosis_step
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import jaxscale
+from benchmarks.harness import JaxStepper, Result, measure, table
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+import char_lm
+
+
+def flagship(locate: bool) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    config = char_lm.Config(locate=locate, batch_size=32)
+    vocab = 96
+    model = char_lm.CharTransformer(
+        vocab, config.seq_len, config.width, config.layers, config.heads, nnx.Rngs(0)
+    )
+    optimizer = nnx.Optimizer(model, optax.adam(config.learning_rate), wrt=nnx.Param)
+    scaler = jaxscale.GradScaler(growth_interval=config.growth_interval)
+    graphdef, state = nnx.split((model, optimizer, scaler))
+    body = char_lm.train_step_body(config)
+    tokens = jnp.asarray(
+        np.random.default_rng(0).integers(0, vocab, (config.batch_size, config.seq_len)),
+        jnp.int32,
+    )
+
+    def step(state: Any, x: jax.Array, y: jax.Array, last: Any) -> tuple[Any, ...]:
+        live = nnx.merge(graphdef, state)
+        loss, _, _, report = body(*live, x, y)
+        # the step's outputs, the report among them, so that nothing is dead code
+        return nnx.state(live), x, y, (loss, report)
+
+    return step, (state, tokens, tokens, None)
+
+
+def memory_bound(locate: bool, size: int = 10_000_000, leaves: int = 50):
+    rng = np.random.default_rng(0)
+    params = {
+        f"p{i}": jnp.asarray(rng.normal(size=size // leaves), jnp.float32) for i in range(leaves)
+    }
+    data = jax.tree.map(lambda p: p * 0.5, params)
+    tx = jaxscale.grad_scaler(optax.adam(1e-3))
+
+    def step(params: Any, opt_state: Any, data: Any, last: Any) -> tuple[Any, ...]:
+        def loss(p: Any) -> jax.Array:
+            terms = jax.tree.map(lambda a, b: jnp.sum((a - b) ** 2), p, data)
+            return jaxscale.scale(0.5 * sum(jax.tree.leaves(terms)), opt_state)
+
+        gradient = jax.grad(loss)
+        report = None
+        if locate:
+            grads, report = jaxscale.locate_nonfinite(gradient)(params)
+        else:
+            grads = gradient(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, data, report
+
+    return step, (params, tx.init(params), data, None)
+
+
+# workload -> (step factory, arguments donated)
+WORKLOADS = {"flagship": (flagship, (0,)), "memory-bound 10M/50": (memory_bound, (0, 1))}
+
+
+def compile_seconds(make: Callable[[bool], Any], locate: bool, rounds: int = 3) -> float:
+    times = []
+    for _ in range(rounds):
+        step, state = make(locate)
+        start = time.perf_counter()
+        jax.jit(step).lower(*state).compile()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(workloads: list[str], repeats: int = 7) -> list[tuple[str, list[Result], float, float]]:
+    found = []
+    for name in workloads:
+        make, donated = WORKLOADS[name]
+
+        def stepper(locate: bool, make: Any = make, donated: Any = donated) -> JaxStepper:
+            step, state = make(locate)
+            return JaxStepper(jax.jit(step, donate_argnums=donated), state)
+
+        results = measure(
+            {"plain": lambda: stepper(False), "locate_nonfinite": lambda: stepper(True)},
+            "plain",
+            repeats=repeats,
+            inner=3,
+        )
+        plain, located = compile_seconds(make, False), compile_seconds(make, True)
+        found.append((name, results, plain, located))
+    return found
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    for name, results, plain, located in run(args.workloads, args.repeats):
+        print(f"\n### {name}\n")
+        print(table(results))
+        print(f"\ncompile: plain {plain:.2f} s, with locate_nonfinite {located:.2f} s "
+              f"({located / plain:.2f}x)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

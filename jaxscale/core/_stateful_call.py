@@ -1,0 +1,153 @@
+"""Tracing a call whose inputs hold stateful objects: Flax NNX modules and optimizers.
+
+jaxscale's function transforms (autocast, locate_nonfinite, precision_stats) trace
+the function they wrap to a jaxpr and evaluate it anew. An NNX module keeps its
+parameters and statistics in mutable ``Variable``s, and a call may write to them
+(BatchNorm's running statistics, Dropout's RNG counters). Tracing such a call to a
+jaxpr would leak the trace's values into the module, so graph nodes are split
+into plain state first, passed through the jaxpr as inputs and outputs, and the
+state the call wrote is put back into the original objects.
+
+NNX objects exist only if the caller imported flax, so flax is used from
+``sys.modules`` when it is there and never imported here: the transforms need
+jax alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def _nnx() -> Any:
+    return sys.modules.get("flax.nnx")
+
+
+def is_graph_node(value: Any) -> bool:
+    graph = sys.modules.get("flax.nnx.graph")
+    return graph is not None and bool(graph.is_graph_node(value))
+
+
+class StatefulCall:
+    """``fn(*args, **kwargs)`` with the graph nodes among them held apart as state.
+
+    ``call_with(state_leaves, array_leaves)`` runs the call on copies built from
+    those leaves and returns ``(output, new_state_leaves)``: a pure function of
+    arrays, which can be traced. ``write_back(new_state_leaves)`` updates the
+    original objects.
+    """
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
+        owner: Any = fn
+        self._method: str | None = None
+        if inspect.ismethod(fn) and is_graph_node(fn.__self__):
+            owner, self._method = fn.__self__, fn.__name__
+        with_paths, self._treedef = jax.tree_util.tree_flatten_with_path(
+            (owner, args, kwargs), is_leaf=is_graph_node
+        )
+        paths = [path for path, _ in with_paths]
+        leaves = [leaf for _, leaf in with_paths]
+        # Each leaf is a graph node (state), an array (a traced input) or anything
+        # else (static: Python numbers, strings, functions), closed over as is.
+        self._kinds = [
+            "node" if is_graph_node(leaf) else "array" if _is_array(leaf) else "static"
+            for leaf in leaves
+        ]
+        self._leaves = leaves
+        self._nodes = tuple(
+            leaf for leaf, kind in zip(leaves, self._kinds, strict=True) if kind == "node"
+        )
+        self.array_leaves = [
+            leaf for leaf, kind in zip(leaves, self._kinds, strict=True) if kind == "array"
+        ]
+        self.array_paths = [
+            _argument_path(path)
+            for path, kind in zip(paths, self._kinds, strict=True)
+            if kind == "array"
+        ]
+        self.state_leaves: list[Any] = []
+        self.state_paths: list[str] = []
+        if self._nodes:
+            self._graphdef, state = _nnx().split(self._nodes)
+            self.state_leaves, self._state_treedef = jax.tree.flatten(state)
+            node_paths = [
+                _argument_path(path)
+                for path, kind in zip(paths, self._kinds, strict=True)
+                if kind == "node"
+            ]
+            # nnx.split of the tuple of nodes keys each node's state by its position
+            self.state_paths = [
+                node_paths[path[0].key] + jax.tree_util.keystr(path[1:])
+                if isinstance(getattr(path[0], "key", None), int)
+                else jax.tree_util.keystr(path)
+                for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]
+            ]
+
+    def call_with(self, state_leaves: list[Any], array_leaves: list[Any]) -> tuple[Any, list[Any]]:
+        nodes: tuple[Any, ...] = ()
+        if self._nodes:
+            state = jax.tree.unflatten(self._state_treedef, state_leaves)
+            nodes = _nnx().merge(self._graphdef, state)
+        fresh = {"node": iter(nodes), "array": iter(array_leaves)}
+        leaves = [
+            next(fresh[kind]) if kind in fresh else leaf
+            for leaf, kind in zip(self._leaves, self._kinds, strict=True)
+        ]
+        owner, args, kwargs = jax.tree.unflatten(self._treedef, leaves)
+        fn = getattr(owner, self._method) if self._method else owner
+        output = fn(*args, **kwargs)
+        new_state: list[Any] = []
+        if self._nodes:
+            _, state = _nnx().split(nodes)
+            new_state = jax.tree.leaves(state)
+        return output, new_state
+
+    def write_back(self, new_state_leaves: list[Any]) -> None:
+        if self._nodes:
+            state = jax.tree.unflatten(self._state_treedef, new_state_leaves)
+            _nnx().update(self._nodes, state)
+
+
+def _argument_path(path: tuple[Any, ...]) -> str:
+    """The ``keystr`` of a leaf of ``(fn, args, kwargs)``, from the call's point of view:
+    ``[0]['b']`` for ``args[0]['b']``, ``['x']`` for ``kwargs['x']``, ``<fn>`` for the
+    function itself (a module whose method is called)."""
+    where, rest = path[0].idx, path[1:]
+    if where == 0:
+        return "<fn>" + jax.tree_util.keystr(rest)
+    return jax.tree_util.keystr(rest)
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, (jax.Array, np.ndarray, np.generic))
+
+
+class TracedCall:
+    """``fn(*args, **kwargs)`` traced to a jaxpr, ready to be evaluated anew.
+
+    ``closed`` is the ``ClosedJaxpr``; ``inputs`` its arguments (NNX state leaves,
+    then the array leaves of the arguments); ``input_paths`` their paths in
+    ``(args, kwargs)`` (``jax.tree_util.keystr`` form, a module's state under its
+    argument). ``finish(outs)`` takes the evaluated outputs, writes the state the
+    call wrote back into the NNX objects, and returns the call's result.
+    """
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
+        self._call = StatefulCall(fn, args, kwargs)
+        self.closed, (out_shape, state_shape) = jax.make_jaxpr(
+            self._call.call_with, return_shape=True
+        )(self._call.state_leaves, self._call.array_leaves)
+        self.inputs = [*self._call.state_leaves, *self._call.array_leaves]
+        self.input_paths = [*self._call.state_paths, *self._call.array_paths]
+        self.state_dtypes = [s.dtype for s in state_shape]
+        self._out_leaves, self._out_tree = jax.tree.flatten(out_shape)
+
+    def finish(self, outs: list[Any]) -> Any:
+        results, new_state = outs[: len(self._out_leaves)], outs[len(self._out_leaves) :]
+        self._call.write_back(new_state)
+        return jax.tree.unflatten(self._out_tree, results)

@@ -1,0 +1,308 @@
+"""Evaluating a jaxpr anew while carrying something beside its values.
+
+Each equation is bound as it was traced (so every value is bitwise the program's
+own) inside its own context, and after each one a hook may update a *carry*: a
+pytree of arrays threaded through the evaluation. Loops carry it with an
+iteration count, conditionals pass it through the branch taken, checkpointed code
+carries it through the checkpoint, nested ``jit`` calls are evaluated in place.
+The carry is ordinary traced data: it runs inside ``jit`` with no callback and no
+transfer. :mod:`._locate` carries the first origin of a non-finite value,
+:mod:`._stats` the ranges of every matmul.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.core import jaxpr_as_fun
+
+from jaxscale.core._jaxprs import (
+    bind_in_context,
+    equation_context,
+    equation_frames,
+    is_literal,
+    is_variable,
+    jit_source,
+    literal_value,
+)
+from jaxscale.diagnosis._frames import Location, location
+from jaxscale.diagnosis._phases import backward_equations
+
+NOT_IN_A_LOOP = -1
+
+
+class Phase(NamedTuple):
+    """An equation's phase: backward as a whole, and per output whether only the
+    backward pass uses it (what an inner jaxpr's outputs inherit)."""
+
+    backward: bool
+    outputs: list[bool]
+
+    def inner(self) -> dict[str, Any]:
+        return {"backward": self.backward, "backward_outputs": self.outputs}
+
+
+class CarryingEvaluator:
+    """Evaluates jaxprs, threading a carry that :meth:`after_equation` updates."""
+
+    def value_info(self, value: Any) -> Any:
+        """What the evaluation keeps about each value beside it (``None`` by default)."""
+        return None
+
+    def output_infos(self, eqn: Any, in_infos: list[Any], outvals: list[Any]) -> list[Any]:
+        """What is kept about an equation's outputs: :meth:`value_info` of each, unless a
+        subclass knows it from the inputs' without looking at the values."""
+        return [self.value_info(value) for value in outvals]
+
+    def after_equation(
+        self,
+        eqn: Any,
+        invals: list[Any],
+        in_infos: list[Any],
+        outvals: list[Any],
+        out_infos: list[Any],
+        carry: Any,
+        iteration: Any,
+        phase: Phase,
+        here: Location,
+    ) -> Any:
+        """The carry after ``eqn`` ran (called once the equation's outputs exist)."""
+        return carry
+
+    def settle(self, carry: Any, iteration: Any) -> Any:
+        """The carry with everything :meth:`after_equation` put aside folded in; called
+        before a higher-order equation runs and when a jaxpr ends (by default, nothing
+        is put aside)."""
+        return carry
+
+    def loop_carry(self, carry: Any, body: Callable[[Any], Any]) -> Any:
+        """``carry`` completed to the structure ``body(carry)`` returns, so that a loop
+        can carry it (for carries that grow as equations are found)."""
+        return carry
+
+    # -- evaluation -------------------------------------------------------------------
+
+    def eval(
+        self,
+        jaxpr: Any,
+        consts: Sequence[Any],
+        args: Sequence[Any],
+        carry: Any,
+        iteration: Any,
+        *,
+        backward: bool = False,
+        backward_outputs: Sequence[bool] | None = None,
+        place: Location | None = None,
+    ) -> tuple[list[Any], Any]:
+        """Evaluate an open jaxpr on ``args``; returns its outputs and the carry.
+
+        ``backward``: the jaxpr runs in a backward pass as a whole.
+        ``backward_outputs``: which of its outputs only the backward pass uses.
+        ``place``: the location of the equation that contains this jaxpr, used for
+        the equations of a library's jitted function.
+        """
+        env: dict[Any, Any] = {}
+        infos: dict[Any, Any] = {}
+
+        def read(atom: Any) -> Any:
+            return literal_value(atom) if is_literal(atom) else env[atom]
+
+        def info_of(atom: Any) -> Any:
+            return self.value_info(literal_value(atom)) if is_literal(atom) else infos[atom]
+
+        def write(var: Any, value: Any, info: Any) -> None:
+            if is_variable(var):
+                env[var] = value
+                infos[var] = info
+
+        for var, value in zip(jaxpr.constvars, consts, strict=True):
+            write(var, value, self.value_info(value))
+        for var, value in zip(jaxpr.invars, args, strict=True):
+            write(var, value, self.value_info(value))
+        phases, output_phases = backward_equations(jaxpr, backward, backward_outputs)
+
+        for eqn, eqn_backward, out_backward in zip(jaxpr.eqns, phases, output_phases, strict=True):
+            invals = [read(v) for v in eqn.invars]
+            in_infos = [info_of(v) for v in eqn.invars]
+            here = self._location(eqn, place)
+            phase = Phase(eqn_backward, out_backward)
+            with equation_context(eqn):
+                rule = _RULES.get(eqn.primitive.name)
+                if rule is None:
+                    outvals = bind_in_context(eqn, invals)
+                else:
+                    carry = self.settle(carry, iteration)
+                    outvals, carry = rule(self, eqn, invals, carry, iteration, phase, here)
+                out_infos = self.output_infos(eqn, in_infos, outvals)
+                for var, value, info in zip(eqn.outvars, outvals, out_infos, strict=True):
+                    write(var, value, info)
+                carry = self.after_equation(
+                    eqn, invals, in_infos, outvals, out_infos, carry, iteration, phase, here
+                )
+        return [read(v) for v in jaxpr.outvars], self.settle(carry, iteration)
+
+    def _location(self, eqn: Any, place: Location | None) -> Location:
+        if place is not None and place.user:
+            # inside a library's jitted function: the containing equation's line (the
+            # library's traced code may have been cached from another call site)
+            return place
+        return location(equation_frames(eqn))
+
+
+# -- higher-order equations ------------------------------------------------------------------
+
+Rule = Callable[
+    [CarryingEvaluator, Any, list[Any], Any, Any, Phase, Location], tuple[list[Any], Any]
+]
+_RULES: dict[str, Rule] = {}
+
+
+def _rule(*names: str) -> Callable[[Rule], Rule]:
+    def register(rule: Rule) -> Rule:
+        for name in names:
+            _RULES[name] = rule
+        return rule
+
+    return register
+
+
+def _inner_place(eqn: Any, here: Location) -> Location | None:
+    """The location a jitted function's equations take: their own in the user's function,
+    the call's in a library's (whose traced code may be cached from another call)."""
+    source = jit_source(eqn)
+    file = source.rsplit(" at ", 1)[-1].rsplit(":", 1)[0] if source else ""
+    if file and location([(file, 0, "")]).user:
+        return None
+    return here
+
+
+@_rule("jit", "closed_call")  # closed_call: JAX before 0.11
+def _inline(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
+            iteration: Any, phase: Phase, here: Location) -> tuple[list[Any], Any]:  # fmt: skip
+    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    return evaluator.eval(
+        closed.jaxpr, closed.consts, invals, carry, iteration,
+        place=_inner_place(eqn, here), **phase.inner(),
+    )  # fmt: skip
+
+
+@_rule("scan")
+def _scan(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
+          iteration: Any, phase: Phase, here: Location) -> tuple[list[Any], Any]:  # fmt: skip
+    params = eqn.params
+    body = params["jaxpr"]
+    consts, init, xs = scan_operands(params, invals)
+    first_x = [x[0] for x in xs]
+
+    def step(state: Any, x: list[Any]) -> tuple[Any, list[Any]]:
+        values, carry, count = state
+        outs, carry = evaluator.eval(
+            body.jaxpr, body.consts, [*consts, *values, *x], carry, count, **phase.inner()
+        )
+        return (outs[: len(init)], carry, count + 1), outs[len(init) :]
+
+    counter = jnp.zeros((), jnp.int32)
+    carry = evaluator.loop_carry(carry, lambda c: step((list(init), c, counter), first_x)[0][1])
+    (values, carry, _), ys = lax.scan(
+        step,
+        (list(init), carry, counter),
+        list(xs),
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params["unroll"],
+    )
+    return [*values, *ys], carry
+
+
+def scan_operands(params: dict[str, Any], values: Sequence[Any]) -> tuple[list, list, list]:
+    """A scan's operands as ``(consts, carry, xs)`` (JAX 0.12 records them as ``ft_in``)."""
+    if "ft_in" in params:
+        consts, carry, xs = params["ft_in"].update(list(values)).unpack()
+        return list(consts), list(carry), list(xs)
+    num_consts, num_carry = params["num_consts"], params["num_carry"]
+    values = list(values)
+    return (
+        values[:num_consts],
+        values[num_consts : num_consts + num_carry],
+        values[num_consts + num_carry :],
+    )
+
+
+@_rule("while")
+def _while(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
+           iteration: Any, phase: Phase, here: Location) -> tuple[list[Any], Any]:  # fmt: skip
+    params = eqn.params
+    cond, body = params["cond_jaxpr"], params["body_jaxpr"]
+    cond_consts = invals[: params["cond_nconsts"]]
+    rest = invals[params["cond_nconsts"] :]
+    body_consts, init = rest[: params["body_nconsts"]], rest[params["body_nconsts"] :]
+
+    def keep_going(state: Any) -> Any:
+        values, _, _ = state
+        return jaxpr_as_fun(cond)(*cond_consts, *values)[0]
+
+    def step(state: Any) -> Any:
+        values, carry, count = state
+        outs, carry = evaluator.eval(
+            body.jaxpr, body.consts, [*body_consts, *values], carry, count, **phase.inner()
+        )
+        return outs, carry, count + 1
+
+    counter = jnp.zeros((), jnp.int32)
+    carry = evaluator.loop_carry(carry, lambda c: step((list(init), c, counter))[1])
+    values, carry, _ = lax.while_loop(keep_going, step, (list(init), carry, counter))
+    return list(values), carry
+
+
+@_rule("cond")
+def _cond(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
+          iteration: Any, phase: Phase, here: Location) -> tuple[list[Any], Any]:  # fmt: skip
+    index, operands = invals[0], invals[1:]
+
+    def branch(closed: Any) -> Callable[..., Any]:
+        def run(carry: Any, *ops: Any) -> tuple[list[Any], Any]:
+            return evaluator.eval(
+                closed.jaxpr, closed.consts, ops, carry, iteration, **phase.inner()
+            )
+
+        return run
+
+    branches = [branch(b) for b in eqn.params["branches"]]
+
+    def carry_after(run: Callable[..., tuple[list[Any], Any]]) -> Callable[[Any], Any]:
+        return lambda c: run(c, *operands)[1]
+
+    for run in branches:  # every branch's carry has the same structure
+        carry = evaluator.loop_carry(carry, carry_after(run))
+    outs, carry = lax.switch(index, branches, carry, *operands)
+    return list(outs), carry
+
+
+@_rule("remat2")  # jax.checkpoint, nnx.remat
+def _remat(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
+           iteration: Any, phase: Phase, here: Location) -> tuple[list[Any], Any]:  # fmt: skip
+    jaxpr = eqn.params["jaxpr"]
+
+    def body(carry: Any, iteration: Any, *args: Any) -> tuple[list[Any], Any]:
+        return evaluator.eval(jaxpr, [], args, carry, iteration, **phase.inner())
+
+    rematted = jax.checkpoint(
+        body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"]
+    )
+    outs, carry = rematted(carry, jnp.asarray(iteration, jnp.int32), *invals)
+    return list(outs), carry
+
+
+@_rule("custom_jvp_call", "custom_vjp_call")
+def _custom(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
+            iteration: Any, phase: Phase, here: Location) -> tuple[list[Any], Any]:  # fmt: skip
+    # The equation is bound as traced, so its rules stay for a differentiation outside;
+    # its body is evaluated beside it for the carry (XLA computes the common part once).
+    outs = bind_in_context(eqn, invals)
+    call = eqn.params["call_jaxpr"]
+    _, carry = evaluator.eval(call.jaxpr, call.consts, invals, carry, iteration, **phase.inner())
+    return outs, carry

@@ -1,0 +1,148 @@
+"""The answer of :func:`jaxscale.locate_nonfinite`: a pytree of arrays and a host-side table.
+
+The arrays say whether an origin was found, which entry of the table it is, in
+which loop iteration and of which kind. The table, built while the function was
+traced, says what each entry is: an argument (with its path) or an operation (its
+primitive, forward or backward, source line, output dtype). The table is the
+pytree's static part, so the report can be returned from ``jit`` like any metric
+and read on the host afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxscale.core import NonfiniteRecord, empty_nonfinite_record
+from jaxscale.diagnosis._frames import Location
+
+INF, NAN = 1, 2
+"""Bits of a non-finite code: the value holds an infinity, a NaN."""
+
+_KIND_WORDS = {INF: "inf", NAN: "nan"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """One entry of the table: where a non-finite value can be born.
+
+    ``source`` is ``"argument"`` or ``"operation"``. For an argument, ``path`` is
+    its ``jax.tree_util.keystr`` path among the call's arguments; for an
+    operation, ``primitive`` names it, ``phase`` is ``"forward"`` or ``"backward"``
+    and ``location`` gives the user's line. ``dtype`` is the value's dtype.
+    """
+
+    source: str
+    dtype: str
+    path: str = ""
+    primitive: str = ""
+    phase: str = ""
+    location: Location = dataclasses.field(default_factory=lambda: Location("", "", ""))
+
+    def text(self) -> str:
+        if self.source == "argument":
+            return f"argument {self.path}"
+        return f"{self.phase} {self.primitive} at {self.location.text()}"
+
+
+Record = NonfiniteRecord
+"""The traced part of a report: the first origin found so far."""
+
+
+def empty_record() -> Record:
+    return empty_nonfinite_record()
+
+
+def keep_first(record: Record, found: jax.Array, entry: Any, iteration: Any, kind: Any) -> Record:
+    """``record`` if it has found something already, else the new finding where ``found``."""
+    take = jnp.logical_and(found, jnp.logical_not(record.found))
+    return Record(
+        jnp.logical_or(record.found, found),
+        jnp.where(take, jnp.asarray(entry, jnp.int32), record.entry),
+        jnp.where(take, jnp.asarray(iteration, jnp.int32), record.iteration),
+        jnp.where(take, jnp.asarray(kind, jnp.int32), record.kind),
+    )
+
+
+@jax.tree_util.register_pytree_node_class
+class NonfiniteReport:
+    """Where the first inf or NaN of a call was born (see :func:`jaxscale.locate_nonfinite`).
+
+    Attributes:
+      found: boolean scalar array: whether anything non-finite was born.
+      entry, iteration, kind: int32 scalar arrays (see :meth:`describe`).
+      origins: the host-side table of possible origins (static).
+    """
+
+    def __init__(self, record: Record, origins: tuple[Origin, ...]):
+        self.record = record
+        self.origins = origins
+
+    @property
+    def found(self) -> jax.Array:
+        return self.record.found
+
+    def tree_flatten(self) -> tuple[tuple[Record], tuple[Origin, ...]]:
+        return (self.record,), self.origins
+
+    @classmethod
+    def tree_unflatten(cls, origins: tuple[Origin, ...], children: Any) -> NonfiniteReport:
+        return cls(children[0], origins)
+
+    def origin(self) -> Origin | None:
+        """The :class:`Origin` found (host side), or ``None``."""
+        record = jax.device_get(self.record)
+        return self.origins[int(record.entry)] if bool(record.found) else None
+
+    def describe(self) -> str:
+        """One line for a log, read on the host: what was born where.
+
+        ``"backward dot_general at model.py:88 (in flax/nnx/nn/linear.py:233),
+        iteration 5: inf (float16)"``; ``"argument [0]['b']: nan (float32)"``; or
+        ``"no inf or NaN was born in this call"``.
+        """
+        if isinstance(self.record.found, jax.core.Tracer):
+            raise TypeError(
+                "describe() reads the report on the host; return the report from the "
+                "jitted function and call describe() outside"
+            )
+        record = jax.device_get(self.record)
+        if not bool(record.found):
+            return "no inf or NaN was born in this call"
+        origin = self.origins[int(record.entry)]
+        where = origin.text()
+        if int(record.iteration) >= 0:
+            where += f", iteration {int(record.iteration)}"
+        return f"{where}: {_KIND_WORDS[int(record.kind)]} ({origin.dtype})"
+
+    def __repr__(self) -> str:
+        if isinstance(self.record.found, jax.core.Tracer):
+            return f"NonfiniteReport(<traced>, {len(self.origins)} possible origins)"
+        return f"NonfiniteReport({self.describe()!r})"
+
+
+def nonfinite_code(value: Any) -> jax.Array:
+    """int32 scalar: ``NAN`` if ``value`` holds a NaN, plus ``INF`` if it holds an infinity.
+
+    0 for values that are not floating (integers, booleans, keys).
+    """
+    dtype = getattr(value, "dtype", None)
+    try:
+        floating = dtype is not None and bool(jnp.issubdtype(dtype, jnp.floating))
+    except TypeError:  # extended dtypes (keys)
+        floating = False
+    if not floating:
+        return jnp.zeros((), jnp.int32)
+    if np.ndim(value) == 0 and not isinstance(value, jax.core.Tracer):
+        known = np.asarray(value)
+        return jnp.asarray(NAN * bool(np.isnan(known)) + INF * bool(np.isinf(known)), jnp.int32)
+    # one pass: each element's bits, or-ed together
+    bits = jnp.where(
+        jnp.isnan(value), np.int8(NAN), jnp.where(jnp.isinf(value), np.int8(INF), np.int8(0))
+    )
+    return lax.reduce(bits, np.int8(0), lax.bitwise_or, tuple(range(bits.ndim))).astype(jnp.int32)

@@ -1,0 +1,154 @@
+"""``precision_stats``: the ranges every matmul and convolution of a call works in.
+
+The same evaluation as :func:`jaxscale.locate_nonfinite` (every value bitwise the
+function's own), carrying per matmul the largest magnitude of each operand and of
+the output, and how many output elements fell below the output dtype's smallest
+normal number (flushed to zero or subnormal) or overflowed to infinity. Inside
+loops the figures accumulate over iterations. These are the numbers that choose
+between float16 and bfloat16, a loss scale, or a float8 scale.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxscale.core._stateful_call import TracedCall
+from jaxscale.diagnosis._evaluator import NOT_IN_A_LOOP, CarryingEvaluator, Phase
+from jaxscale.diagnosis._frames import Location
+
+F = TypeVar("F", bound=Callable[..., Any])
+MATMULS = ("dot_general", "conv_general_dilated")
+_FIELDS = ("lhs_amax", "rhs_amax", "out_amax", "small", "overflow", "elements")
+
+
+def _empty() -> dict[str, jax.Array]:
+    return {name: jnp.zeros((), jnp.float32) for name in _FIELDS}
+
+
+def _merge(old: dict[str, jax.Array], new: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return {
+        name: jnp.maximum(old[name], new[name]) if name.endswith("amax") else old[name] + new[name]
+        for name in _FIELDS
+    }
+
+
+def _amax(value: Any) -> jax.Array:
+    return jnp.max(jnp.abs(value)).astype(jnp.float32)
+
+
+class StatsCollector(CarryingEvaluator):
+    """Carries ``{key: accumulators}`` for every matmul and convolution met."""
+
+    def __init__(self) -> None:
+        self._keys: dict[tuple[int, str], str] = {}
+
+    def key(self, eqn: Any, phase: Phase, here: Location, dtype: Any) -> str:
+        """A stable, readable key: line, primitive, phase and output dtype, numbered when
+        one line holds several (a layer's forward and its two backward matmuls differ by
+        phase; an einsum of two products by number)."""
+        base = (
+            f"{here.user or here.library or 'unknown line'} {eqn.primitive.name} "
+            f"{'backward' if phase.backward else 'forward'} ({np.dtype(dtype).name})"
+        )
+        identity = (id(eqn), base)
+        if identity not in self._keys:
+            taken = sum(1 for key in self._keys.values() if key.split(" #")[0] == base)
+            self._keys[identity] = base if taken == 0 else f"{base} #{taken + 1}"
+        return self._keys[identity]
+
+    def after_equation(
+        self,
+        eqn: Any,
+        invals: list[Any],
+        in_infos: list[Any],
+        outvals: list[Any],
+        out_infos: list[Any],
+        carry: Any,
+        iteration: Any,
+        phase: Phase,
+        here: Location,
+    ) -> Any:
+        del in_infos, out_infos, iteration
+        if eqn.primitive.name not in MATMULS:
+            return carry
+        out = outvals[0]
+        if not jnp.issubdtype(out.dtype, jnp.floating):
+            return carry
+        lhs, rhs = invals[0], invals[1]
+        tiny = float(jnp.finfo(out.dtype).tiny)
+        magnitude = jnp.abs(out)
+        figures = {
+            "lhs_amax": _amax(lhs),
+            "rhs_amax": _amax(rhs),
+            "out_amax": _amax(jnp.where(jnp.isfinite(out), out, 0)),
+            "small": jnp.sum(magnitude < tiny).astype(jnp.float32),
+            "overflow": jnp.sum(jnp.isinf(out)).astype(jnp.float32),
+            "elements": jnp.float32(out.size),
+        }
+        key = self.key(eqn, phase, here, out.dtype)
+        carry = dict(carry)
+        carry[key] = _merge(carry.get(key, _empty()), figures)
+        return carry
+
+    def loop_carry(self, carry: Any, body: Callable[[Any], Any]) -> Any:
+        shape = jax.eval_shape(body, carry)
+        completed = dict(carry)
+        for key in shape:
+            completed.setdefault(key, _empty())
+        return completed
+
+
+def precision_stats(fn: F) -> Callable[..., tuple[Any, dict[str, dict[str, jax.Array]]]]:
+    """The ranges every matmul and convolution of a call works in.
+
+    ``precision_stats(fn)`` returns a function with ``fn``'s signature that returns
+    ``(fn(*args, **kwargs), stats)``, the outputs bitwise ``fn``'s. ``stats`` maps
+    each matmul or convolution, keyed ``"file.py:LINE primitive phase (dtype)"``
+    (``phase`` is ``forward`` or ``backward``; ``#2``, ``#3`` number several on one
+    line), to float32 scalar arrays:
+
+    * ``lhs_amax``, ``rhs_amax``, ``out_amax``: the largest magnitude of each
+      operand and of the (finite) output;
+    * ``underflow``: the fraction of output elements below the output dtype's
+      smallest normal number (zero or subnormal);
+    * ``overflow``: the fraction of output elements that are infinite.
+
+    Inside loops the figures cover every iteration. It is jittable (no callback,
+    no transfer) and composes with :func:`jaxscale.autocast`: wrap the autocast
+    function to see the float16 or bfloat16 matmuls it runs.
+
+    >>> import jax, jax.numpy as jnp, jaxscale
+    >>> def layer(w, x):
+    ...     return jnp.sum(jaxscale.autocast(lambda w, x: x @ w)(w, x).astype(jnp.float32))
+    >>> _, stats = jaxscale.precision_stats(layer)(jnp.full((2, 2), 300.0), jnp.ones((1, 2)))
+    >>> [(key.split(" ", 1)[1], float(s["out_amax"])) for key, s in stats.items()]
+    [('dot_general forward (float16)', 600.0)]
+    """
+    if not callable(fn):
+        raise TypeError(f"precision_stats expects a callable, got {type(fn).__name__} {fn!r}")
+
+    @functools.wraps(fn)
+    def measured(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, dict[str, jax.Array]]]:
+        call = TracedCall(fn, args, kwargs)
+        collector = StatsCollector()
+        closed = call.closed
+        outs, carry = collector.eval(closed.jaxpr, closed.consts, call.inputs, {}, NOT_IN_A_LOOP)
+        stats = {
+            key: {
+                "lhs_amax": acc["lhs_amax"],
+                "rhs_amax": acc["rhs_amax"],
+                "out_amax": acc["out_amax"],
+                "underflow": acc["small"] / acc["elements"],
+                "overflow": acc["overflow"] / acc["elements"],
+            }
+            for key, acc in carry.items()
+        }
+        return call.finish(outs), stats
+
+    return measured
