@@ -89,7 +89,7 @@ def float16_activation(w, x):
 
 
 def test_a_float16_activation_over_65504_under_autocast():
-    out, report = located(jaxscale.autocast(float16_activation), W * 3e4, X)
+    _, report = located(jaxscale.autocast(float16_activation), W * 3e4, X)
     expect(report, "forward", "dot_general", line_of(float16_activation), "inf", "float16")
 
 
@@ -168,7 +168,7 @@ def sqrt_at_zero(w, x):
 
 def test_a_jvp_term_computed_only_for_the_gradient_is_backward():
     # sqrt(0) is 0 in the forward pass; its derivative 0.5 / sqrt(0) is inf
-    (value, grads), report = located(jax.value_and_grad(sqrt_at_zero), W, 0.0 * X)
+    (value, _), report = located(jax.value_and_grad(sqrt_at_zero), W, 0.0 * X)
     assert float(value) == 0.0
     expect(report, "backward", "div", line_of(sqrt_at_zero), "inf", "float32")
 
@@ -183,7 +183,7 @@ def test_a_loss_scale_overflowing_a_float16_matmul_gradient():
         return 1e4 * jaxscale.autocast(scaled_float16_matmul)(w, x).astype(F32)
 
     x = jnp.full((16, 4), 10.0, F32)
-    (loss, grads), report = located(jax.value_and_grad(scaled_loss), W, x)
+    (loss, _), report = located(jax.value_and_grad(scaled_loss), W, x)
     assert np.isfinite(loss)
     expect(report, "backward", "dot_general", line_of(scaled_float16_matmul), "inf", "float16")
 
@@ -197,7 +197,7 @@ def test_nnx_grad_of_a_module():
             return jnp.log(self.linear(x))  # <- origin
 
     model = Model()
-    grads, report = located(nnx.grad(lambda m, x: jnp.sum(m(x))), model, -10.0 * X, jit=False)
+    _, report = located(nnx.grad(lambda m, x: jnp.sum(m(x))), model, -10.0 * X, jit=False)
     expect(report, "forward", "log", line_of(Model.__call__), "nan", "float32")
 
 
@@ -222,7 +222,7 @@ def through_custom_vjp(x):
 
 
 def test_a_custom_vjp_backward_rule_names_the_line_calling_the_function():
-    grads, report = located(jax.grad(through_custom_vjp), jnp.array([1.0, 0.0]))
+    _, report = located(jax.grad(through_custom_vjp), jnp.array([1.0, 0.0]))
     expect(report, "backward", "div", line_of(through_custom_vjp), "inf", "float32")
 
 

@@ -3,13 +3,14 @@
 :func:`locate_nonfinite` traces a function to a jaxpr, as autocast does, and
 evaluates it anew carrying a small record of the first operation whose output
 became non-finite: its primitive, forward or backward, the user's source line
-and the loop iteration, returned as a :class:`NonfiniteReport`. :func:`precision_stats` evaluates it the
-same way, carrying the ranges each matmul and convolution works in.
+and the loop iteration, returned as a :class:`NonfiniteReport`.
+:func:`precision_stats` evaluates it the same way, carrying the ranges each matmul
+and convolution works in.
 """
 
 from jaxscale.diagnosis._locate import locate_nonfinite as locate_nonfinite
 from jaxscale.diagnosis._report import NonfiniteReport as NonfiniteReport
-from jaxscale.diagnosis._stats import precision_stats as precision_stats
 from jaxscale.diagnosis._report import Origin as Origin
+from jaxscale.diagnosis._stats import precision_stats as precision_stats
 
 __all__ = ["NonfiniteReport", "Origin", "locate_nonfinite", "precision_stats"]
