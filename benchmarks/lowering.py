@@ -218,10 +218,13 @@ def facade_optax_step() -> tuple[Callable[..., Any], tuple]:
     return step, (params, tx.init(params), jaxscale.GradScaler(), X, Y)
 
 
-def flagship_step() -> tuple[Callable[..., Any], tuple]:
-    """The main example's train step: autocast + GradScaler on the character transformer."""
+def flagship_step(precision: str = "float16") -> tuple[Callable[..., Any], tuple]:
+    """The main example's train step: autocast + GradScaler on the character transformer
+    (for float16; the bfloat16 and float8 settings train without a scaler)."""
     vocab = 96
-    config = char_lm.Config(width=128, layers=2, heads=4, seq_len=64, batch_size=16)
+    config = char_lm.Config(
+        precision=precision, width=128, layers=2, heads=4, seq_len=64, batch_size=16
+    )
     model = char_lm.CharTransformer(
         vocab, config.seq_len, config.width, config.layers, config.heads, nnx.Rngs(0)
     )
@@ -249,6 +252,10 @@ STEPS: dict[str, Callable[[], tuple[Callable[..., Any], tuple]]] = {
     "facade: TrainState, unscale_ + clip": facade_train_state_step,
     "facade: optax triple, unscale_ + clip": facade_optax_step,
     "main example: autocast + GradScaler": flagship_step,
+    "main example: autocast float8 tensorwise": functools.partial(
+        flagship_step, "float8-tensorwise"
+    ),
+    "main example: autocast float8 rowwise": functools.partial(flagship_step, "float8-rowwise"),
 }
 
 

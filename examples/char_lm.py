@@ -124,9 +124,32 @@ def loss_fn(model: CharTransformer, x: jax.Array, y: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
 
+PRECISIONS = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "float8-tensorwise",
+    "float8-rowwise",
+    "float8-rowwise_with_gw_hp",
+)
+
+
+def autocast_options(precision: str) -> dict[str, Any] | None:
+    """``jaxscale.autocast``'s arguments for a precision (None: plain float32).
+
+    The float8 settings are torchao's recipes: the linear layers' matmuls in float8,
+    everything else in bfloat16, as torchao's float8 training runs.
+    """
+    if precision == "float32":
+        return None
+    if precision.startswith("float8-"):
+        return {"dtype": jnp.bfloat16, "float8": precision.removeprefix("float8-")}
+    return {"dtype": jnp.dtype(precision)}
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
-    precision: str = "float16"  # "float32" or "float16"
+    precision: str = "float16"  # one of PRECISIONS
     scaler: bool = True
     steps: int = 800
     batch_size: int = 32
@@ -143,14 +166,15 @@ class Config:
 
     @property
     def label(self) -> str:
-        if self.precision == "float32":
-            return "float32"
+        if self.precision != "float16":
+            return self.precision
         return "float16 + jaxscale" if self.scaler else "float16, no loss scaling"
 
     @property
     def forward(self) -> Callable[..., jax.Array]:
-        """The loss as the training step computes it: under autocast for float16."""
-        return jaxscale.autocast(loss_fn) if self.precision == "float16" else loss_fn
+        """The loss as the training step computes it: under autocast unless float32."""
+        options = autocast_options(self.precision)
+        return loss_fn if options is None else jaxscale.autocast(loss_fn, **options)
 
 
 def build(
@@ -206,7 +230,8 @@ def make_train_step(config: Config) -> Callable[..., tuple[Any, ...]]:
 def evaluate_batch(
     model: CharTransformer, x: jax.Array, y: jax.Array, precision: str
 ) -> tuple[jax.Array, jax.Array]:
-    apply = jaxscale.autocast(model) if precision == "float16" else model
+    options = autocast_options(precision)
+    apply = model if options is None else jaxscale.autocast(model, **options)
     logits = apply(x).astype(jnp.float32)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return loss, jnp.mean(logits.argmax(-1) == y)

@@ -8,6 +8,10 @@ Writes a markdown table and a plot of the three loss curves.
 
     python examples/compare_precisions.py                  # as one of 256 devices
     python examples/compare_precisions.py --devices 1 256  # where the effect appears
+    python examples/compare_precisions.py --float8 --devices 1  # bfloat16 vs float8 recipes
+
+``--float8`` compares bfloat16 autocast with torchao's float8 training recipes
+(``autocast(..., dtype=bfloat16, float8=recipe)``; no loss scaling, as torchao trains).
 """
 
 from __future__ import annotations
@@ -22,6 +26,24 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import char_lm
 
 SETTINGS = [("float32", False), ("float16", False), ("float16", True)]
+FLOAT8_SETTINGS = [
+    ("bfloat16", False),
+    ("float8-tensorwise", False),
+    ("float8-rowwise", False),
+    ("float8-rowwise_with_gw_hp", False),
+]
+
+
+def compare_float8(steps: int, devices: int, dataset: char_lm.Dataset) -> tuple[list, dict]:
+    rows, histories = [], {}
+    for precision, scaler in FLOAT8_SETTINGS:
+        config = char_lm.Config(precision=precision, scaler=scaler, steps=steps, devices=devices)
+        print(f"  training {config.label} ...", flush=True)
+        _, history, summary = char_lm.train(config, dataset)
+        histories[config.label] = history
+        rows.append({"setting": config.label, "devices": devices, "underflow": float("nan"),
+                     **summary})  # fmt: skip
+    return rows, histories
 
 
 def compare(steps: int, devices: int, dataset: char_lm.Dataset) -> list[dict[str, object]]:
@@ -57,9 +79,13 @@ def table(rows: list[dict[str, object]]) -> str:
     for r in rows:
         lines.append(
             f"| {r['devices']} | {r['setting']} | {r['train_loss']:.3f} | {r['val_loss']:.3f} | "
-            f"{r['val_accuracy']:.1%} | {r['underflow']:.2%} | {int(r['skipped_steps'])} |"
+            f"{r['val_accuracy']:.1%} | {_percent(r['underflow'])} | {int(r['skipped_steps'])} |"
         )
     return "\n".join(lines)
+
+
+def _percent(fraction: float) -> str:
+    return "n/a" if fraction != fraction else f"{fraction:.2%}"
 
 
 def plot(all_histories: dict[int, dict[str, char_lm.History]], path: pathlib.Path) -> None:
@@ -93,12 +119,15 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument(
         "--plot", type=pathlib.Path, default=pathlib.Path("precision_comparison.png")
     )
+    parser.add_argument("--float8", action="store_true",
+                        help="bfloat16 against torchao's float8 recipes instead")  # fmt: skip
     args = parser.parse_args(argv)
     dataset = char_lm.Dataset.load()
     rows, all_histories = [], {}
+    run = compare_float8 if args.float8 else compare
     for devices in args.devices:
         print(f"As one of {devices} data-parallel devices:")
-        device_rows, all_histories[devices] = compare(args.steps, devices, dataset)
+        device_rows, all_histories[devices] = run(args.steps, devices, dataset)
         rows += device_rows
     report = table(rows)
     print("\n" + report)

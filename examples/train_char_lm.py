@@ -10,6 +10,7 @@ scale over the run.
     python examples/train_char_lm.py                   # float16 + jaxscale
     python examples/train_char_lm.py --no-scaler       # float16 without loss scaling
     python examples/train_char_lm.py --precision float32
+    python examples/train_char_lm.py --precision float8-rowwise  # torchao's float8 recipe
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--precision", choices=["float16", "float32"], default=defaults.precision)
+    parser.add_argument("--precision", choices=char_lm.PRECISIONS, default=defaults.precision)
     parser.add_argument(
         "--no-scaler", action="store_true", help="train float16 without loss scaling"
     )

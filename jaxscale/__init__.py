@@ -8,6 +8,7 @@ transform :func:`grad_scaler`) and :mod:`jaxscale.facade` (PyTorch's
 """
 
 from jaxscale.casting import autocast as autocast
+from jaxscale.casting import quantize_float8 as quantize_float8
 from jaxscale.core import ScalerState as ScalerState
 from jaxscale.core import ScaleWarning as ScaleWarning
 from jaxscale.core import all_finite as all_finite
@@ -53,6 +54,7 @@ __all__ = [
     "nonfinite_leaves",
     "nonfinite_paths",
     "precision_stats",
+    "quantize_float8",
     "scale",
     "scale_outputs",
     "skipped_steps",

@@ -48,6 +48,20 @@ def test_the_main_example_runs_every_matmul_in_float16_on_the_gpu():
     assert result.array_converts > 0  # the casts autocast inserted
 
 
+def test_float8_runs_every_linear_layer_of_the_main_example_in_float8_on_the_gpu():
+    # 9 linear layers (4 per block, 2 blocks, the output head): each runs its forward
+    # matmul and both backward matmuls in float8; attention's batched einsums stay bfloat16
+    tensorwise = lowered("main example: autocast float8 tensorwise", "cuda")
+    assert tensorwise.matmul_dtypes == {
+        "f8E4M3FN x f8E4M3FN -> f32": 9,  # forward: input and weight e4m3
+        "f8E5M2 x f8E4M3FN -> f32": 9,  # input gradient: output gradient e5m2, weight e4m3
+        "f8E4M3FN x f8E5M2 -> f32": 9,  # weight gradient: input e4m3, output gradient e5m2
+        "bf16 x bf16 -> bf16": 12,
+    }
+    rowwise = lowered("main example: autocast float8 rowwise", "cuda")
+    assert rowwise.matmul_dtypes == {"f8E4M3FN x f8E4M3FN -> f32": 27, "bf16 x bf16 -> bf16": 12}
+
+
 # -- the analysis can fail: each thing it looks for is found when it is there ----------------
 
 

@@ -12,6 +12,7 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 def test_the_notebooks_exist():
     assert [p.stem for p in NOTEBOOKS] == [
         "autocast",
+        "locate_nonfinite",
         "porting_pytorch_amp",
         "quickstart",
         "why_loss_scaling",

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxscale.casting import _higher_order  # noqa: F401  (registers the higher-order rules)
+from jaxscale.casting._float8_matmul import recipe_for
 from jaxscale.casting._hidden_state import refuse_inside_hidden_state
 from jaxscale.casting._interpreter import MARKER, Autocaster, cast_floating
 from jaxscale.core import validation
@@ -21,13 +22,19 @@ _DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 
 @overload
-def autocast(fn: F, *, dtype: Any = ..., enabled: bool = ...) -> F: ...
+def autocast(fn: F, *, dtype: Any = ..., enabled: bool = ..., float8: Any = ...) -> F: ...
 @overload
-def autocast(fn: None = None, *, dtype: Any = ..., enabled: bool = ...) -> Callable[[F], F]: ...
+def autocast(
+    fn: None = None, *, dtype: Any = ..., enabled: bool = ..., float8: Any = ...
+) -> Callable[[F], F]: ...
 
 
 def autocast(
-    fn: Callable[..., Any] | None = None, *, dtype: Any = jnp.float16, enabled: bool = True
+    fn: Callable[..., Any] | None = None,
+    *,
+    dtype: Any = jnp.float16,
+    enabled: bool = True,
+    float8: Any = None,
 ) -> Any:
     """Run ``fn`` with PyTorch's CUDA autocast policy: ``with torch.autocast("cuda"):``.
 
@@ -67,12 +74,20 @@ def autocast(
       dtype: ``jnp.float16`` (the default, PyTorch's ``"cuda"`` default) or
         ``jnp.bfloat16``.
       enabled: if False, ``fn`` runs as written.
+      float8: ``None`` (the default), or torchao's float8 training recipe for the
+        matmuls of linear layers: ``"tensorwise"``, ``"rowwise"``,
+        ``"rowwise_with_gw_hp"`` or a :class:`jaxscale.casting.Float8Recipe`. Every
+        ``dot_general`` without batch dimensions whose rows, contracted size and
+        columns are multiples of 16 then runs its forward matmul and both backward
+        matmuls on float8 operands with dynamic scales, as torchao's
+        ``Float8Linear`` does; everything else follows ``dtype``.
 
     Returns:
       The transformed function, or a decorator when ``fn`` is omitted.
 
     Raises:
-      ValueError: for a ``dtype`` other than float16 or bfloat16.
+      ValueError: for a ``dtype`` other than float16 or bfloat16, or an unknown
+        ``float8`` recipe.
       TypeError: for a ``fn`` that is not callable, or a ``dtype`` that is no dtype.
 
     >>> import jax.numpy as jnp, jaxscale
@@ -89,11 +104,13 @@ def autocast(
     """
     dtype = _validated_dtype(dtype)
     validation.as_bool("enabled", enabled)
+    recipe = recipe_for(float8)
     if fn is None:
-        return functools.partial(autocast, dtype=dtype, enabled=enabled)
+        return functools.partial(autocast, dtype=dtype, enabled=enabled, float8=recipe)
     if not callable(fn):
         raise TypeError(f"autocast expects a callable, got {type(fn).__name__} {fn!r}")
-    scope = f"{MARKER}[{dtype.name if enabled else 'disabled'}]"
+    kind = dtype.name + (f"+float8:{recipe.name}" if recipe is not None else "")
+    scope = f"{MARKER}[{kind if enabled else 'disabled'}]"
 
     @functools.wraps(fn)
     def autocast_fn(*args: Any, **kwargs: Any) -> Any:
@@ -101,7 +118,7 @@ def autocast(
             if not enabled:
                 return fn(*args, **kwargs)
             refuse_inside_hidden_state(getattr(fn, "__name__", type(fn).__name__))
-            return _run(Autocaster(dtype), fn, args, kwargs)
+            return _run(Autocaster(dtype, recipe), fn, args, kwargs)
 
     return autocast_fn
 

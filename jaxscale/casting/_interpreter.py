@@ -44,6 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale.casting._float8_matmul import Float8Recipe, float8_dot_general
+from jaxscale.casting._float8_matmul import eligible as float8_eligible
 from jaxscale.casting._policy import Precision, row_for
 from jaxscale.core._jaxprs import (
     bind_in_context,
@@ -147,8 +149,9 @@ def is_marked(eqn: Any) -> bool:
 class Autocaster:
     """Evaluates jaxprs with the policy for one autocast ``dtype`` (float16 or bfloat16)."""
 
-    def __init__(self, dtype: Any):
+    def __init__(self, dtype: Any, float8: Float8Recipe | None = None):
         self.dtype = np.dtype(dtype)
+        self.float8 = float8
         # Casts made in the jaxpr being evaluated, so that a value cast for several
         # operations is converted once: {(id(value), dtype): (value, cast value)}.
         self._casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
@@ -282,6 +285,14 @@ class Autocaster:
         elif precision is Precision.LOWER:
             floating = [v for v in invals if is_floating(v.dtype)]
             if floating and all(v.dtype in _LOWER_ELIGIBLE for v in floating):
+                if self.float8 is not None and self._runs_in_float8(eqn):
+                    # torchao's Float8Linear: the input in the autocast dtype, the weight
+                    # quantized from its own precision, the result in the autocast dtype
+                    lhs = self.cast(invals[0], self.dtype, in_tags[0])
+                    out = float8_dot_general(
+                        lhs, invals[1], params["dimension_numbers"], self.float8, self.dtype
+                    )
+                    return [out], [Tag.PRODUCT]
                 invals = [
                     self.cast(v, self.dtype, t) if is_floating(v.dtype) else v
                     for v, t in zip(invals, in_tags, strict=True)
@@ -299,6 +310,16 @@ class Autocaster:
 
         outvals = bind_in_context(eqn, invals, params)
         return outvals, _output_tags(name, precision, eqn, in_tags, len(outvals))
+
+    def _runs_in_float8(self, eqn: Any) -> bool:
+        """A linear layer's matmul under a float8 recipe: eligible, and not a matmul of a
+        backward pass traced inside the function (those run in the autocast dtype)."""
+        return (
+            self.float8 is not None
+            and eqn.primitive.name == "dot_general"
+            and float8_eligible(eqn)
+            and "transpose(" not in name_stack_text(eqn)
+        )
 
     def _promote_to_widest(
         self, invals: list[Any], in_tags: list[Tag], traced: list[Any]

@@ -1,0 +1,222 @@
+"""Float8 matmuls with torchao's training recipes, for ``autocast(..., float8=...)``.
+
+torchao's ``Float8Linear`` computes ``y = x @ w.T`` with three matmuls, each
+quantizing its own operands with current (dynamic) scaling:
+
+* forward ``output = x @ w_t``: ``x`` scaled along its contracting axis (the last),
+  ``w_t`` along its contracting axis (the first), or each as a whole;
+* backward ``grad_input = grad_output @ w_t.T``: ``grad_output`` along its last axis,
+  the weight along the same (its output) axis;
+* backward ``grad_weight_t = x.T @ grad_output``: both along the batch axis.
+
+A recipe says, for each of the six casts, the float8 type and whether the scale is
+per tensor or per row (or no cast: high precision), and whether scales are
+rounded down to powers of two. Each matmul multiplies float8 operands with a
+float32 result and divides the two scales back out, then casts to the autocast
+dtype. A ``custom_vjp`` keeps ``x`` and ``w_t`` in high precision for the backward
+pass, as torchao does, so the backward matmuls quantize afresh.
+
+A JAX ``dot_general`` is this matmul when it has no batch dimensions: its left
+operand's free dimensions are flattened into rows and its right operand (the
+weight, as in ``x @ w.T``, ``nnx.Linear`` and torchao) into columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxscale.casting._float8 import quantize_float8
+
+E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast:
+    """How one operand of one matmul is quantized: the float8 ``dtype``, and ``rowwise``
+    (one scale per row along the axis the matmul contracts) or one per tensor."""
+
+    dtype: Any = E4M3
+    rowwise: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Recipe:
+    """torchao's ``Float8LinearConfig`` for current scaling: the six casts of a linear
+    layer's three matmuls (``None``: that operand stays in high precision, and so must
+    the other operand of its matmul) and the rounding of scales.
+
+    Attributes:
+      name: the recipe's name.
+      input, weight: the forward matmul's operands.
+      grad_output, weight_for_grad_input: the input-gradient matmul's operands.
+      input_for_grad_weight, grad_output_for_grad_weight: the weight-gradient matmul's.
+      power_of_2: round every scale down to a power of two.
+    """
+
+    name: str
+    input: Cast | None
+    weight: Cast | None
+    grad_output: Cast | None
+    weight_for_grad_input: Cast | None
+    input_for_grad_weight: Cast | None
+    grad_output_for_grad_weight: Cast | None
+    power_of_2: bool = False
+
+    def __post_init__(self) -> None:
+        for first, second, matmul in (
+            (self.input, self.weight, "output"),
+            (self.grad_output, self.weight_for_grad_input, "grad_input"),
+            (self.input_for_grad_weight, self.grad_output_for_grad_weight, "grad_weight"),
+        ):
+            if (first is None) != (second is None):
+                raise ValueError(
+                    f"float8 recipe {self.name!r}: the {matmul} matmul has one operand in "
+                    "float8 and one in high precision; both or neither must be cast"
+                )
+
+
+_ROWWISE_E4M3 = Cast(E4M3, rowwise=True)
+
+RECIPES: dict[str, Float8Recipe] = {
+    "tensorwise": Float8Recipe(
+        "tensorwise",
+        input=Cast(E4M3),
+        weight=Cast(E4M3),
+        grad_output=Cast(E5M2),
+        weight_for_grad_input=Cast(E4M3),
+        input_for_grad_weight=Cast(E4M3),
+        grad_output_for_grad_weight=Cast(E5M2),
+    ),
+    "rowwise": Float8Recipe(
+        "rowwise",
+        input=_ROWWISE_E4M3,
+        weight=_ROWWISE_E4M3,
+        grad_output=_ROWWISE_E4M3,
+        weight_for_grad_input=_ROWWISE_E4M3,
+        input_for_grad_weight=_ROWWISE_E4M3,
+        grad_output_for_grad_weight=_ROWWISE_E4M3,
+        power_of_2=True,
+    ),
+    "rowwise_with_gw_hp": Float8Recipe(
+        "rowwise_with_gw_hp",
+        input=_ROWWISE_E4M3,
+        weight=_ROWWISE_E4M3,
+        grad_output=_ROWWISE_E4M3,
+        weight_for_grad_input=Cast(E4M3),  # one power-of-two scale for the whole weight
+        input_for_grad_weight=None,  # the weight gradient in high precision
+        grad_output_for_grad_weight=None,
+        power_of_2=True,
+    ),
+}
+
+
+def recipe_for(float8: Any) -> Float8Recipe | None:
+    """The recipe ``autocast(..., float8=...)`` names: ``None``, a name, or a recipe."""
+    if float8 is None or isinstance(float8, Float8Recipe):
+        return float8
+    if isinstance(float8, str) and float8 in RECIPES:
+        return RECIPES[float8]
+    raise ValueError(
+        f"float8 must be None, one of {sorted(RECIPES)} or a jaxscale.casting.Float8Recipe, "
+        f"got {float8!r}"
+    )
+
+
+# -- which dot_generals are a linear layer's matmul --------------------------------------
+
+
+def as_rows_and_columns(dimension_numbers: Any, lhs_shape: Any, rhs_shape: Any) -> Any:
+    """For a ``dot_general`` with no batch dimensions, the permutations and sizes that
+    make it ``(M, K) @ (K, N)``: ``(lhs_perm, rhs_perm, M, K, N)``; else ``None``."""
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    if lhs_batch or rhs_batch or not lhs_contract:
+        return None
+    lhs_free = [d for d in range(len(lhs_shape)) if d not in lhs_contract]
+    rhs_free = [d for d in range(len(rhs_shape)) if d not in rhs_contract]
+    m = math.prod(lhs_shape[d] for d in lhs_free)
+    k = math.prod(lhs_shape[d] for d in lhs_contract)
+    n = math.prod(rhs_shape[d] for d in rhs_free)
+    return (*lhs_free, *lhs_contract), (*rhs_contract, *rhs_free), m, k, n
+
+
+def eligible(eqn: Any) -> bool:
+    """A floating ``dot_general`` with no batch dimensions whose rows, contracted size
+    and columns are multiples of 16 (float8 matmul kernels need that alignment)."""
+    lhs, rhs = (v.aval for v in eqn.invars)
+    if not all(jnp.issubdtype(a.dtype, jnp.floating) for a in (lhs, rhs)):
+        return False
+    layout = as_rows_and_columns(eqn.params["dimension_numbers"], lhs.shape, rhs.shape)
+    return layout is not None and all(size % 16 == 0 for size in layout[2:])
+
+
+# -- the matmul ----------------------------------------------------------------------------
+
+
+def _quantized(x: jax.Array, cast: Cast, axis: int, power_of_2: bool) -> tuple[Any, Any]:
+    return quantize_float8(
+        x, cast.dtype, axis=axis if cast.rowwise else None, power_of_2=power_of_2
+    )
+
+
+def _mm(a: jax.Array, b: jax.Array, cast_a: Cast | None, cast_b: Cast | None, recipe: Float8Recipe,
+        out_dtype: Any) -> jax.Array:  # fmt: skip
+    """``a @ b`` for ``a`` (M, K) and ``b`` (K, N): in float8 with each operand's scale,
+    or in high precision (``out_dtype``) when the recipe casts neither."""
+    if cast_a is None:
+        product = lax.dot_general(
+            a.astype(out_dtype), b.astype(out_dtype), (((1,), (0,)), ((), ())),
+            preferred_element_type=out_dtype,
+        )  # fmt: skip
+        return product.astype(out_dtype)
+    assert cast_b is not None
+    a8, scale_a = _quantized(a, cast_a, 1, recipe.power_of_2)  # along K
+    b8, scale_b = _quantized(b, cast_b, 0, recipe.power_of_2)  # along K
+    product = lax.dot_general(a8, b8, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    # torch._scaled_mm multiplies by the inverse scales (exact for powers of two)
+    return (product * ((1.0 / scale_a) * (1.0 / scale_b))).astype(out_dtype)
+
+
+def float8_linear(x: jax.Array, w_t: jax.Array, recipe: Float8Recipe, out_dtype: Any) -> jax.Array:
+    """``x @ w_t`` for ``x`` (M, K) and ``w_t`` (K, N), its three matmuls in float8 by
+    ``recipe``; the result and both gradients in ``out_dtype`` (the gradients are cast
+    to each operand's own dtype)."""
+
+    @jax.custom_vjp
+    def matmul(x: jax.Array, w_t: jax.Array) -> jax.Array:
+        return _mm(x, w_t, recipe.input, recipe.weight, recipe, out_dtype)
+
+    def forward(x: jax.Array, w_t: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        return matmul(x, w_t), (x, w_t)  # high precision kept, as torchao keeps it
+
+    def backward(saved: tuple[jax.Array, jax.Array], grad: jax.Array) -> tuple[Any, Any]:
+        x, w_t = saved
+        grad = grad.astype(out_dtype)
+        grad_x = _mm(grad, w_t.T, recipe.grad_output, recipe.weight_for_grad_input, recipe,
+                     out_dtype)  # fmt: skip
+        grad_w_t = _mm(x.T, grad, recipe.input_for_grad_weight, recipe.grad_output_for_grad_weight,
+                       recipe, out_dtype)  # fmt: skip
+        return grad_x.astype(x.dtype), grad_w_t.astype(w_t.dtype)
+
+    matmul.defvjp(forward, backward)
+    return matmul(x, w_t)
+
+
+def float8_dot_general(
+    lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, recipe: Float8Recipe, out_dtype: Any
+) -> jax.Array:
+    """A batch-free ``dot_general`` as :func:`float8_linear` on its rows and columns."""
+    lhs_perm, rhs_perm, m, k, n = as_rows_and_columns(dimension_numbers, lhs.shape, rhs.shape)
+    (lhs_contract, rhs_contract), _ = dimension_numbers
+    x = jnp.transpose(lhs, lhs_perm).reshape(m, k)
+    w_t = jnp.transpose(rhs, rhs_perm).reshape(k, n)
+    out = float8_linear(x, w_t, recipe, out_dtype)
+    lhs_free_shape = [lhs.shape[d] for d in lhs_perm[: len(lhs_perm) - len(lhs_contract)]]
+    rhs_free_shape = [rhs.shape[d] for d in rhs_perm[len(rhs_contract) :]]
+    return out.reshape(*lhs_free_shape, *rhs_free_shape)
