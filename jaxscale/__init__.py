@@ -8,6 +8,9 @@ transform :func:`grad_scaler`) and :mod:`jaxscale.facade` (PyTorch's
 """
 
 from jaxscale.casting import autocast as autocast
+from jaxscale.casting import custom_fwd as custom_fwd
+from jaxscale.casting import get_autocast_dtype as get_autocast_dtype
+from jaxscale.casting import is_autocast_enabled as is_autocast_enabled
 from jaxscale.casting import quantize_float8 as quantize_float8
 from jaxscale.core import ScalerState as ScalerState
 from jaxscale.core import ScaleWarning as ScaleWarning
@@ -44,10 +47,13 @@ __all__ = [
     "__version__",
     "all_finite",
     "autocast",
+    "custom_fwd",
     "found_inf",
+    "get_autocast_dtype",
     "get_scale",
     "grad_scaler",
     "init_scaler_state",
+    "is_autocast_enabled",
     "last_overflow_origin",
     "locate_nonfinite",
     "metrics",

@@ -5,6 +5,7 @@ CUDA autocast policy, the table :data:`POLICY` from primitive to precision.
 """
 
 from jaxscale.casting._autocast import autocast as autocast
+from jaxscale.casting._custom_fwd import custom_fwd as custom_fwd
 from jaxscale.casting._float8 import quantize_float8 as quantize_float8
 from jaxscale.casting._float8_matmul import RECIPES as RECIPES
 from jaxscale.casting._float8_matmul import Cast as Cast
@@ -14,6 +15,10 @@ from jaxscale.casting._policy import POLICY as POLICY
 from jaxscale.casting._policy import UNSUPPORTED_HIGHER_ORDER as UNSUPPORTED_HIGHER_ORDER
 from jaxscale.casting._policy import Precision as Precision
 from jaxscale.casting._policy import Row as Row
+from jaxscale.casting._policy import register_policy as register_policy
+from jaxscale.casting._policy import row_for as row_for
+from jaxscale.casting._region import get_autocast_dtype as get_autocast_dtype
+from jaxscale.casting._region import is_autocast_enabled as is_autocast_enabled
 
 __all__ = [
     "AS_TRACED",
@@ -25,5 +30,10 @@ __all__ = [
     "Precision",
     "Row",
     "autocast",
+    "custom_fwd",
+    "get_autocast_dtype",
+    "is_autocast_enabled",
     "quantize_float8",
+    "register_policy",
+    "row_for",
 ]

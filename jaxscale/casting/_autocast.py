@@ -14,6 +14,7 @@ from jaxscale.casting import _higher_order  # noqa: F401  (registers the higher-
 from jaxscale.casting._float8_matmul import recipe_for
 from jaxscale.casting._hidden_state import refuse_inside_hidden_state
 from jaxscale.casting._interpreter import MARKER, Autocaster, cast_floating
+from jaxscale.casting._region import autocast_state
 from jaxscale.core import validation
 from jaxscale.core._stateful_call import TracedCall
 
@@ -106,7 +107,7 @@ def autocast(
     validation.as_bool("enabled", enabled)
     recipe = recipe_for(float8)
     if fn is None:
-        return functools.partial(autocast, dtype=dtype, enabled=enabled, float8=recipe)
+        return _Decorator(dtype, enabled, recipe)
     if not callable(fn):
         raise TypeError(f"autocast expects a callable, got {type(fn).__name__} {fn!r}")
     kind = dtype.name + (f"+float8:{recipe.name}" if recipe is not None else "")
@@ -114,13 +115,40 @@ def autocast(
 
     @functools.wraps(fn)
     def autocast_fn(*args: Any, **kwargs: Any) -> Any:
-        with jax.named_scope(scope):
+        with jax.named_scope(scope), autocast_state(enabled, dtype):
             if not enabled:
                 return fn(*args, **kwargs)
             refuse_inside_hidden_state(getattr(fn, "__name__", type(fn).__name__))
             return _run(Autocaster(dtype, recipe), fn, args, kwargs)
 
     return autocast_fn
+
+
+class _Decorator:
+    """``autocast(dtype=...)`` without a function: a decorator. Used as a context
+    manager (PyTorch's ``with torch.autocast("cuda"):``) it explains the function form:
+    a ``with`` block inside a traced function is traced into the caller's program as it
+    goes, and nothing JAX offers a library can rewrite it afterwards."""
+
+    def __init__(self, dtype: np.dtype, enabled: bool, recipe: Any):
+        self._options = {"dtype": dtype, "enabled": enabled, "float8": recipe}
+
+    def __call__(self, fn: Callable[..., Any]) -> Any:
+        return autocast(fn, **self._options)
+
+    def __enter__(self) -> None:
+        raise TypeError(
+            "jaxscale.autocast is a function transform, not a context manager: JAX traces "
+            "the code of a with-block into the enclosing program as it runs, so no library "
+            "can rewrite it at the end of the block. Apply it to the function the block "
+            "would hold, e.g. `loss = jaxscale.autocast(loss_fn)(model, x, y)` or decorate "
+            "it with `@jaxscale.autocast(dtype=jnp.bfloat16)`; "
+            "`jaxscale.autocast(g, enabled=False)(...)` inside it is PyTorch's nested "
+            "`with autocast(enabled=False):`."
+        )
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
 
 
 def _run(

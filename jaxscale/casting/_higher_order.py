@@ -30,6 +30,7 @@ from jaxscale.casting._interpreter import (
     widest,
 )
 from jaxscale.casting._policy import FLOAT32_FUNCTIONS
+from jaxscale.casting._region import autocast_state
 from jaxscale.core._jaxprs import bind_in_context, bind_protocol, is_literal, jit_defined_in_jax
 
 Result = tuple[list[Any], list[Tag]]
@@ -186,7 +187,8 @@ def _custom_jvp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
             zero_outputs[:] = [None if _is_array(o) else o for o in outs]
             return [o for o in outs if _is_array(o)]
 
-        rule_jaxpr = jax.make_jaxpr(traced_rule)(*given.traced_arrays)
+        with autocast_state(True, autocaster.dtype):  # the rule sees the forward's state
+            rule_jaxpr = jax.make_jaxpr(traced_rule)(*given.traced_arrays)
         arrays = iter(autocaster.run(rule_jaxpr, given.arrays))
         outs = [next(arrays) if zero is None else zero for zero in zero_outputs]
         half = len(outs) // 2
@@ -223,7 +225,8 @@ def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
         def traced_forward(*vals: Any) -> Any:
             return fwd.call_wrapped(*[x for pair in zip(vals, perturbed) for x in pair])  # noqa: B905
 
-        fwd_jaxpr = jax.make_jaxpr(traced_forward)(*traced)
+        with autocast_state(True, autocaster.dtype):
+            fwd_jaxpr = jax.make_jaxpr(traced_forward)(*traced)
         _, res_tree, *rest = bind_params["out_trees"]()
         forwarded = list(rest[0]) if rest else [None] * res_tree.num_leaves
         computed = res_tree.num_leaves - sum(f is not None for f in forwarded)
@@ -261,7 +264,8 @@ def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
             zero_outputs[:] = [not _is_array(o) for o in outs]
             return [o for o in outs if _is_array(o)]
 
-        bwd_jaxpr = jax.make_jaxpr(traced_backward)(*given.traced_arrays)
+        with autocast_state(True, autocaster.dtype):  # as PyTorch's custom_bwd does
+            bwd_jaxpr = jax.make_jaxpr(traced_backward)(*given.traced_arrays)
         nonzero = iter(autocaster.run(bwd_jaxpr, given.arrays))
         grads = []
         for dtype, zero in zip(facts.input_tangents, zero_outputs, strict=True):

@@ -46,7 +46,7 @@ from jax import lax
 
 from jaxscale.casting._float8_matmul import Float8Recipe, float8_dot_general
 from jaxscale.casting._float8_matmul import eligible as float8_eligible
-from jaxscale.casting._policy import Precision, row_for
+from jaxscale.casting._policy import Precision, is_registered, row_for
 from jaxscale.core._jaxprs import (
     bind_in_context,
     contains_jaxpr,
@@ -249,11 +249,16 @@ class Autocaster:
             outvals = bind_in_context(eqn, cast_floating(invals, traced))
         elif name in HIGHER_ORDER:
             outvals, out_tags = HIGHER_ORDER[name](self, eqn, invals, in_tags)
-        elif any(contains_jaxpr(p) for p in eqn.params.values()) and name not in _OPAQUE_WITH_JAXPR:
+        elif (
+            any(contains_jaxpr(p) for p in eqn.params.values())
+            and name not in _OPAQUE_WITH_JAXPR
+            and not is_registered(name)
+        ):
             raise NotImplementedError(
                 f"jaxscale.autocast does not know the higher-order primitive {name!r}, "
                 "so it cannot cast the operations inside it. Call that part outside "
-                "autocast, or inside jaxscale.autocast(..., enabled=False)."
+                "autocast, or inside jaxscale.autocast(..., enabled=False), or give it a "
+                "row with jaxscale.casting.register_policy."
             )
         else:
             outvals, out_tags = self.first_order(eqn, invals, in_tags)

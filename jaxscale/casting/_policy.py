@@ -256,6 +256,34 @@ VERSION_SPECIFIC: Mapping[str, str] = {
 """Primitive names above that exist in some supported JAX versions only."""
 
 
+_REGISTERED: dict[str, Row] = {}
+
+
+def register_policy(primitive_name: str, precision: Precision, torch_ops: str = "") -> None:
+    """Give a primitive of your own (a Pallas kernel's ``pallas_call``, an ``ffi_call``, a
+    custom primitive) a row of the policy, so that autocast casts its floating inputs
+    as ``precision`` says instead of running it as traced. A registered primitive is
+    treated as one operation even when it holds jaxprs of its own (autocast does not
+    cast inside it). Registering a name again replaces its row.
+
+    >>> import jaxscale
+    >>> from jaxscale.casting import Precision
+    >>> jaxscale.casting.register_policy("my_kernel", Precision.FLOAT32, "my fused op")
+    >>> jaxscale.casting.row_for("my_kernel").precision
+    <Precision.FLOAT32: 'float32'>
+    """
+    if not isinstance(primitive_name, str) or not primitive_name:
+        raise TypeError(f"primitive_name must be a non-empty string, got {primitive_name!r}")
+    if not isinstance(precision, Precision):
+        raise TypeError(f"precision must be a jaxscale.casting.Precision, got {precision!r}")
+    _REGISTERED[primitive_name] = Row(precision, torch_ops or "registered by the user")
+
+
+def is_registered(primitive_name: str) -> bool:
+    return primitive_name in _REGISTERED
+
+
 def row_for(primitive_name: str) -> Row:
-    """The policy row of a first-order primitive; unlisted ones run as traced."""
-    return POLICY.get(primitive_name, _UNLISTED)
+    """The policy row of a first-order primitive: a registered row, else the table's;
+    unlisted ones run as traced."""
+    return _REGISTERED.get(primitive_name) or POLICY.get(primitive_name, _UNLISTED)

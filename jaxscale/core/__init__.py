@@ -15,6 +15,7 @@ from jaxscale.core._diagnostics import keep_overflow_record as keep_overflow_rec
 from jaxscale.core._diagnostics import nonfinite_leaves as nonfinite_leaves
 from jaxscale.core._diagnostics import nonfinite_paths as nonfinite_paths
 from jaxscale.core._diagnostics import scaler_metrics as scaler_metrics
+from jaxscale.core._diagnostics import warn_about_scaled_loss as warn_about_scaled_loss
 from jaxscale.core._diagnostics import warn_if_unhealthy as warn_if_unhealthy
 from jaxscale.core._jaxprs import bind_equation as bind_equation
 from jaxscale.core._leaves import floating_leaves as floating_leaves
@@ -65,5 +66,6 @@ __all__ = [
     "update_scale",
     "update_unless",
     "validation",
+    "warn_about_scaled_loss",
     "warn_if_unhealthy",
 ]

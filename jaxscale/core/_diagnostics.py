@@ -166,3 +166,37 @@ def keep_overflow_record(
             for old, new in zip(previous, tuple(current), strict=True)
         )
     )
+
+
+_HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+
+def warn_about_scaled_loss(loss: Any, scaled: Any, stacklevel: int = 3) -> None:
+    """Warn (:class:`ScaleWarning`) about the two ways a scaled loss silently goes wrong:
+    a 0-d float16 or bfloat16 loss (PyTorch computes losses in float32 under autocast;
+    scaled in its own dtype, a float16 loss overflows at 65504), and, outside ``jit``,
+    a finite loss whose scaled value is not finite."""
+    if not (hasattr(loss, "dtype") and np.ndim(loss) == 0):
+        return
+    dtype = np.dtype(loss.dtype)
+    if dtype in _HALF:
+        warnings.warn(
+            f"scale() was given a {dtype.name} loss. Under PyTorch's autocast a loss is "
+            "float32, and the scaled loss keeps the loss's dtype, which for float16 ends "
+            "at 65504: compute the loss in float32 (a loss computed under "
+            "jaxscale.autocast is) or scale loss.astype(jnp.float32)",
+            ScaleWarning,
+            stacklevel=stacklevel,
+        )
+    if isinstance(scaled, jax.core.Tracer) or isinstance(loss, jax.core.Tracer):
+        return
+    if bool(np.isfinite(np.asarray(loss, np.float64))) and not bool(
+        np.isfinite(np.asarray(scaled, np.float64))
+    ):
+        warnings.warn(
+            f"the scaled loss is {float(scaled)}: the loss {float(loss):g} times the scale "
+            f"overflows {dtype.name}; every step would be skipped until the scale backs off "
+            "far enough. Compute the loss in float32",
+            ScaleWarning,
+            stacklevel=stacklevel,
+        )

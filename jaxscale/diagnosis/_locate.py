@@ -177,7 +177,7 @@ def locate_nonfinite(fn: F) -> Callable[..., tuple[Any, NonfiniteReport]]:
     >>> def loss(w, x):
     ...     return jnp.sum(jnp.log(x @ w))
     >>> grad_fn = jaxscale.locate_nonfinite(jax.grad(loss))
-    >>> grads, report = jax.jit(grad_fn)(jnp.ones((2, 2)), jnp.array([[1.0, -1.0]]))
+    >>> grads, report = jax.jit(grad_fn)(jnp.ones((2, 2)), jnp.array([[-1.0, -1.0]]))
     >>> bool(report.found)
     True
     >>> report.describe().split(" at ")[0], report.describe().split(": ")[-1]

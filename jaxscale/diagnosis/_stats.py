@@ -127,8 +127,8 @@ def precision_stats(fn: F) -> Callable[..., tuple[Any, dict[str, dict[str, jax.A
     >>> def layer(w, x):
     ...     return jnp.sum(jaxscale.autocast(lambda w, x: x @ w)(w, x).astype(jnp.float32))
     >>> _, stats = jaxscale.precision_stats(layer)(jnp.full((2, 2), 300.0), jnp.ones((1, 2)))
-    >>> [(key.split(" ", 1)[1], float(s["out_amax"])) for key, s in stats.items()]
-    [('dot_general forward (float16)', 600.0)]
+    >>> [(key.split()[-3:], float(s["out_amax"])) for key, s in stats.items()]
+    [(['dot_general', 'forward', '(float16)'], 600.0)]
     """
     if not callable(fn):
         raise TypeError(f"precision_stats expects a callable, got {type(fn).__name__} {fn!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import operator
 import warnings
@@ -31,6 +32,7 @@ from jaxscale.core import (
     unscale,
     unscale_and_check,
     validation,
+    warn_about_scaled_loss,
     warn_if_unhealthy,
 )
 from jaxscale.facade._iteration import Iteration, OptimizerRecord, Stage
@@ -232,6 +234,7 @@ class GradScaler(nnx.Pytree):
         is formed in float32; compute the loss in float32). Disabled: ``outputs``.
         """
         scaled = scale_outputs(outputs, self._scaler_state.scale)
+        warn_about_scaled_loss(outputs, scaled, stacklevel=4)
         self._iteration.scale_called = True
         return scaled
 
@@ -533,6 +536,16 @@ class GradScaler(nnx.Pytree):
         if not floating_leaves(grads):
             return None
         return any_over_axis(jnp.logical_not(all_finite(grads)), self._axis_name)
+
+
+# Flax's Pytree metaclass defines __call__(*args, **kwargs), which inspect.signature (and
+# so help(), the API reference and IDEs that ask it) would show instead of __init__'s.
+GradScaler.__signature__ = inspect.signature(
+    GradScaler.__init__
+).replace(  # type: ignore[attr-defined]
+    parameters=list(inspect.signature(GradScaler.__init__).parameters.values())[1:],
+    return_annotation=inspect.Signature.empty,
+)
 
 
 def _unchanged(grads: T) -> T:

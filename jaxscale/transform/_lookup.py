@@ -20,6 +20,7 @@ from jaxscale.core import (
     disabled_metrics,
     scale_outputs,
     scaler_metrics,
+    warn_about_scaled_loss,
     warn_if_unhealthy,
 )
 from jaxscale.transform._grad_scaler import GradScalerState
@@ -172,7 +173,9 @@ def scale(loss_or_tree: Any, opt_state: Any) -> Any:
     state = find_state(opt_state)
     if state.scaler is None:
         return loss_or_tree
-    return scale_outputs(loss_or_tree, _array(state.scaler.scale))
+    scaled = scale_outputs(loss_or_tree, _array(state.scaler.scale))
+    warn_about_scaled_loss(loss_or_tree, scaled)
+    return scaled
 
 
 def last_overflow_origin(opt_state: Any, report: Any) -> Any:
