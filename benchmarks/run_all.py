@@ -22,6 +22,7 @@ import jax
 from benchmarks import (
     autocast_step,
     counts,
+    diagnosis_step,
     lowering,
     memory_bound_step,
     optimizer_step,
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
     groups = train_step.main(["--repeats", str(args.repeats)])
     for group, results in groups.items():
         emit(f"Full train step (float16 transformer), {group}", table(results))
+    _, text = capture(diagnosis_step.main, ["--repeats", str(args.repeats)])
+    emit("locate_nonfinite when on: step and compile time", text)
     _, text = capture(unscale_throughput.main, ["--repeats", str(args.repeats)])
     emit("unscale_and_check throughput", text)
     _, text = capture(counts.main, [])

@@ -162,7 +162,7 @@ class Config:
     init_scale: float = 2.0**16
     growth_interval: int = 50
     seed: int = 0
-    locate: bool = True  # say where each skipped step's inf or NaN was born
+    locate: bool = False  # say where each skipped step's inf or NaN was born
 
     @property
     def label(self) -> str:

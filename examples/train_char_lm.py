@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     parser.add_argument("--devices", type=int, default=defaults.devices,
                         help="simulated data-parallel devices (1: plain training)")  # fmt: skip
+    parser.add_argument("--no-locate", action="store_true",
+                        help="skip jaxscale.locate_nonfinite (where each skipped step's inf "
+                             "was born)")  # fmt: skip
     parser.add_argument("--plot", type=pathlib.Path, default=pathlib.Path("char_lm_training.png"))
     parser.add_argument("--sample", type=int, default=200, help="characters to generate at the end")
     args = parser.parse_args(argv)
@@ -84,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         steps=args.steps,
         batch_size=args.batch_size,
         devices=args.devices,
+        locate=not args.no_locate,
     )
     print(f"Training: {config.label}; {config.steps} steps of {config.batch_size}x{config.seq_len} "
           f"characters, as one of {config.devices} data-parallel devices")  # fmt: skip

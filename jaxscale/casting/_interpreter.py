@@ -302,7 +302,8 @@ class Autocaster:
                     self.cast(v, self.dtype, t) if is_floating(v.dtype) else v
                     for v, t in zip(invals, in_tags, strict=True)
                 ]
-                if is_floating(params.get("preferred_element_type")):
+                preferred = params.get("preferred_element_type")
+                if preferred is not None and is_floating(preferred):
                     params["preferred_element_type"] = self.dtype
         elif precision is Precision.FLOAT32:
             invals = [self.cast(v, jnp.float32) if v.dtype in _HALF else v for v in invals]
