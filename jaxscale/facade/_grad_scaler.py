@@ -540,10 +540,9 @@ class GradScaler(nnx.Pytree):
 
 # Flax's Pytree metaclass defines __call__(*args, **kwargs), which inspect.signature (and
 # so help(), the API reference and IDEs that ask it) would show instead of __init__'s.
-GradScaler.__signature__ = inspect.signature(
-    GradScaler.__init__
-).replace(  # type: ignore[attr-defined]
-    parameters=list(inspect.signature(GradScaler.__init__).parameters.values())[1:],
+_INIT_SIGNATURE = inspect.signature(GradScaler.__init__)
+GradScaler.__signature__ = _INIT_SIGNATURE.replace(  # type: ignore[attr-defined]
+    parameters=list(_INIT_SIGNATURE.parameters.values())[1:],
     return_annotation=inspect.Signature.empty,
 )
 
