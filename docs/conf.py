@@ -18,6 +18,9 @@ HERE = pathlib.Path(__file__).resolve().parent
 (HERE / "notebooks").mkdir(exist_ok=True)
 for notebook in sorted((HERE.parent / "notebooks").glob("*.ipynb")):
     shutil.copy2(notebook, HERE / "notebooks" / notebook.name)
+# README sections included here show the examples' figures by their path in the repository
+shutil.copytree(HERE.parent / "examples" / "figures", HERE / "examples" / "figures",
+                dirs_exist_ok=True)  # fmt: skip
 
 project = "jaxscale"
 author = "The jaxscale authors"
