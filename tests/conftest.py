@@ -31,7 +31,7 @@ import re  # noqa: E402
 
 WITHOUT_TORCH = os.environ.get("JAXSCALE_TESTS_WITHOUT_TORCH") == "1"
 _NEEDS_TORCH = re.compile(
-    r"^(import|from) (torch|torch_reference|torch_twins|test_facade_differential)\b", re.MULTILINE
+    r"^(import|from) (torch|torchao|torch_reference|torch_twins|facade_drivers)\b", re.MULTILINE
 )
 _left_out: list[str] = []
 

@@ -17,13 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
 import jaxscale
 
-with warnings.catch_warnings():
+with warnings.catch_warnings():  # torchao's import warns about its optional GPU kernels
     warnings.simplefilter("ignore")
-    torch = pytest.importorskip("torch")
-    torchao_float8 = pytest.importorskip("torchao.float8")
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import LinearMMConfig

@@ -17,7 +17,7 @@ import pytest
 import third_party
 import torch
 import torch_twins as tw
-from test_facade_differential import DRIVERS, KEYS, WIDTH, scaled_grads
+from facade_drivers import DRIVERS, KEYS, WIDTH, scaled_grads
 
 import jaxscale
 
