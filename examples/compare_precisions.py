@@ -24,6 +24,19 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import char_lm
+from tqdm import tqdm
+
+
+def train_with_progress(config: char_lm.Config, dataset: char_lm.Dataset):
+    """``char_lm.train`` with a progress bar (each setting runs a few minutes on a CPU)."""
+    with tqdm(total=config.steps, unit="step", desc=f"  {config.label}", leave=False) as bar:
+
+        def report(step: int, history: char_lm.History) -> None:
+            bar.update(step - bar.n)
+            bar.set_postfix_str(f"loss {history.loss[-1]:.3f}")
+
+        return char_lm.train(config, dataset, on_step=report)
+
 
 SETTINGS = [("float32", False), ("float16", False), ("float16", True)]
 FLOAT8_SETTINGS = [
@@ -39,7 +52,7 @@ def compare_float8(steps: int, devices: int, dataset: char_lm.Dataset) -> tuple[
     for precision, scaler in FLOAT8_SETTINGS:
         config = char_lm.Config(precision=precision, scaler=scaler, steps=steps, devices=devices)
         print(f"  training {config.label} ...", flush=True)
-        _, history, summary = char_lm.train(config, dataset)
+        _, history, summary = train_with_progress(config, dataset)
         histories[config.label] = history
         rows.append({"setting": config.label, "devices": devices, "underflow": float("nan"),
                      **summary})  # fmt: skip
@@ -53,7 +66,7 @@ def compare(steps: int, devices: int, dataset: char_lm.Dataset) -> list[dict[str
     for precision, scaler in SETTINGS:
         config = char_lm.Config(precision=precision, scaler=scaler, steps=steps, devices=devices)
         print(f"  training {config.label} ...", flush=True)
-        model, history, summary = char_lm.train(config, dataset)
+        model, history, summary = train_with_progress(config, dataset)
         histories[config.label] = history
         if precision == "float32":
             reference = (model, config)

@@ -33,13 +33,11 @@ WITHOUT_TORCH = os.environ.get("JAXSCALE_TESTS_WITHOUT_TORCH") == "1"
 _NEEDS_TORCH = re.compile(
     r"^(import|from) (torch|torchao|torch_reference|torch_twins|facade_drivers)\b", re.MULTILINE
 )
-_left_out: list[str] = []
 
 
 def pytest_ignore_collect(collection_path: pathlib.Path, config):
     is_test_module = collection_path.suffix == ".py" and collection_path.name.startswith("test_")
     if WITHOUT_TORCH and is_test_module and _NEEDS_TORCH.search(collection_path.read_text()):
-        _left_out.append(collection_path.name)
         return True
     return None
 
@@ -53,10 +51,14 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not item.get_closest_marker("torch")]
 
 
-def pytest_report_collectionfinish(config, start_path, items):
-    if WITHOUT_TORCH:
-        return (
-            f"JAXSCALE_TESTS_WITHOUT_TORCH=1: {len(_left_out)} modules comparing with PyTorch "
-            f"not collected ({', '.join(sorted(_left_out))}); tests marked torch deselected"
-        )
-    return None
+def pytest_report_header(config):
+    if not WITHOUT_TORCH:
+        return None
+    here = pathlib.Path(__file__).parent
+    left_out = sorted(
+        path.name for path in here.glob("test_*.py") if _NEEDS_TORCH.search(path.read_text())
+    )
+    return (
+        f"JAXSCALE_TESTS_WITHOUT_TORCH=1: {len(left_out)} modules comparing with PyTorch are "
+        f"not collected ({', '.join(left_out)}), and tests marked torch are deselected"
+    )
