@@ -28,10 +28,15 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import pathlib  # noqa: E402
 import re  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
 
 WITHOUT_TORCH = os.environ.get("JAXSCALE_TESTS_WITHOUT_TORCH") == "1"
 _NEEDS_TORCH = re.compile(
-    r"^(import|from) (torch|torchao|torch_reference|torch_twins|facade_drivers)\b", re.MULTILINE
+    r"^(import|from) "
+    r"(torch|torchao|torch_reference|torch_twins|torch_transformer|facade_drivers)\b",
+    re.MULTILINE,
 )
 
 
@@ -62,3 +67,16 @@ def pytest_report_header(config):
         f"JAXSCALE_TESTS_WITHOUT_TORCH=1: {len(left_out)} modules comparing with PyTorch are "
         f"not collected ({', '.join(left_out)}), and tests marked torch are deselected"
     )
+
+
+@pytest.fixture(scope="module")
+def char_lm():
+    """The flagship example's module (``examples/char_lm.py``), importable for a test."""
+    examples = pathlib.Path(__file__).resolve().parent.parent / "examples"
+    sys.path.insert(0, str(examples))
+    try:
+        import char_lm
+
+        yield char_lm
+    finally:
+        sys.path.remove(str(examples))

@@ -23,7 +23,7 @@ from flax import nnx
 from jax import lax
 
 import jaxscale
-from jaxscale.casting import AS_TRACED, POLICY, UNSUPPORTED_HIGHER_ORDER, Precision
+from jaxscale.casting import AS_TRACED, CPU_POLICY, POLICY, UNSUPPORTED_HIGHER_ORDER, Precision
 from jaxscale.casting._policy import VERSION_SPECIFIC
 
 F16, BF16, F32, F64 = jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64
@@ -266,6 +266,24 @@ def test_the_table_names_a_pytorch_op_for_every_row_and_covers_the_lists():
     assert all(row.torch_ops for row in POLICY.values())
 
 
+def test_the_cpu_table_moves_what_pytorchs_cpu_lists_move_and_keeps_the_rest():
+    lower = {name for name, row in CPU_POLICY.items() if row.precision is Precision.LOWER}
+    assert lower == {"dot_general", "conv_general_dilated"}
+    float32 = {name for name, row in CPU_POLICY.items() if row.precision is Precision.FLOAT32}
+    assert float32 == {
+        "reduce_prod", "fft", "cholesky", "eig", "eigh", "lu", "geqrf", "householder_product",
+        "ormqr", "qr", "svd", "triangular_solve",
+    }  # fmt: skip
+    changed = {name for name in POLICY if CPU_POLICY[name].precision != POLICY[name].precision}
+    assert changed == {
+        "exp", "exp2", "expm1", "log", "log2", "log1p", "pow", "integer_pow", "square", "rsqrt",
+        "reduce_sum", "cumsum", "cumprod", "cumlogsumexp", "erf_inv", "tan", "sinh", "cosh",
+        "asin", "acos", "div",
+    }  # fmt: skip
+    assert all(row.torch_ops for row in CPU_POLICY.values())
+    assert set(CPU_POLICY) - set(POLICY) <= set(AS_TRACED)  # linear algebra and fft
+
+
 def test_an_unlisted_primitive_runs_exactly_as_traced():
     # bitcast_convert_type is in no row: its input returns to the traced float32
     fn = jaxscale.autocast(lambda a: lax.bitcast_convert_type(jnp.tanh(a @ a), jnp.int32))
@@ -310,6 +328,7 @@ def _decided():
 
     return {
         "policy row": set(POLICY),
+        "CPU policy row": set(CPU_POLICY),
         "higher-order rule": set(HIGHER_ORDER),
         "first-order with its own update jaxpr": set(_OPAQUE_WITH_JAXPR),
         "as traced on purpose": set(AS_TRACED),
@@ -329,7 +348,8 @@ def test_every_primitive_name_jaxscale_lists_exists_in_the_running_jax(running_j
 
 
 def test_no_primitive_is_decided_twice():
-    groups = list(_decided().values())
+    # (the CPU table is the CUDA table with rows changed: a second view of the same names)
+    groups = [names for where, names in _decided().items() if where != "CPU policy row"]
     for i, first in enumerate(groups):
         for second in groups[i + 1 :]:
             assert not first & second, first & second

@@ -153,3 +153,49 @@ def test_a_scaled_loss_that_overflows_warns_outside_jit():
     with pytest.warns(jaxscale.ScaleWarning) as caught:
         jaxscale.scale(jnp.bfloat16(3e38), opt_state)
     assert any("the scaled loss is inf" in str(w.message) for w in caught)
+
+
+def test_the_region_answers_per_device_type_as_pytorch_does():
+    seen = []
+
+    def probe(x):
+        seen.append(
+            (
+                jaxscale.is_autocast_enabled(),
+                jaxscale.is_autocast_enabled("cpu"),
+                jaxscale.is_autocast_enabled("cuda"),
+                jaxscale.get_autocast_dtype(),
+                jaxscale.get_autocast_dtype("cpu"),
+                jaxscale.get_autocast_dtype("cuda"),
+            )
+        )
+        return x
+
+    probe(1.0)
+    jaxscale.autocast(probe, device_type="cpu")(1.0)
+    jaxscale.autocast(probe, device_type="cpu", dtype=jnp.float16)(1.0)
+    jaxscale.autocast(probe)(1.0)
+    bf16, f16 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
+    assert seen == [
+        (False, False, False, f16, bf16, f16),  # outside: each device type's default
+        (True, True, False, bf16, bf16, f16),
+        (True, True, False, f16, f16, f16),
+        (True, False, True, f16, bf16, f16),
+    ]
+
+
+@pytest.mark.parametrize("bad", ["xpu", "CPU", 0])
+def test_an_unknown_device_type_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match=f'device_type must be "cuda" or "cpu", got {bad!r}'):
+        jaxscale.autocast(lambda x: x, device_type=bad)
+    with pytest.raises(ValueError, match="got None"):  # None is the region's, for the queries
+        jaxscale.autocast(lambda x: x, device_type=None)
+    with pytest.raises(ValueError, match="device_type must be"):
+        jaxscale.is_autocast_enabled(bad)
+    with pytest.raises(ValueError, match="device_type must be"):
+        jaxscale.get_autocast_dtype(bad)
+
+
+def test_torchs_positional_device_type_is_explained():
+    with pytest.raises(TypeError, match=r'jaxscale.autocast\(fn, device_type="cpu"\)'):
+        jaxscale.autocast("cpu")

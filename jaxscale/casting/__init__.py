@@ -1,7 +1,8 @@
 """Casting: PyTorch's op-level autocast as a JAX function transform (jax only).
 
 :func:`autocast` traces a function to a jaxpr and evaluates it anew with PyTorch's
-CUDA autocast policy, the table :data:`POLICY` from primitive to precision.
+CUDA autocast policy, the table :data:`POLICY` from primitive to precision, or with its
+CPU policy, :data:`CPU_POLICY`.
 """
 
 from jaxscale.casting._autocast import autocast as autocast
@@ -11,6 +12,7 @@ from jaxscale.casting._float8_matmul import RECIPES as RECIPES
 from jaxscale.casting._float8_matmul import Cast as Cast
 from jaxscale.casting._float8_matmul import Float8Recipe as Float8Recipe
 from jaxscale.casting._policy import AS_TRACED as AS_TRACED
+from jaxscale.casting._policy import CPU_POLICY as CPU_POLICY
 from jaxscale.casting._policy import POLICY as POLICY
 from jaxscale.casting._policy import UNSUPPORTED_HIGHER_ORDER as UNSUPPORTED_HIGHER_ORDER
 from jaxscale.casting._policy import Precision as Precision
@@ -22,6 +24,7 @@ from jaxscale.casting._region import is_autocast_enabled as is_autocast_enabled
 
 __all__ = [
     "AS_TRACED",
+    "CPU_POLICY",
     "POLICY",
     "RECIPES",
     "UNSUPPORTED_HIGHER_ORDER",

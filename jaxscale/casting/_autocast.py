@@ -14,7 +14,8 @@ from jaxscale.casting import _higher_order  # noqa: F401  (registers the higher-
 from jaxscale.casting._float8_matmul import recipe_for
 from jaxscale.casting._hidden_state import refuse_inside_hidden_state
 from jaxscale.casting._interpreter import MARKER, Autocaster, cast_floating
-from jaxscale.casting._region import autocast_state
+from jaxscale.casting._policy import validated_device_type
+from jaxscale.casting._region import DEFAULT_DTYPES, autocast_state
 from jaxscale.core import validation
 from jaxscale.core._stateful_call import TracedCall
 
@@ -23,21 +24,30 @@ _DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 
 @overload
-def autocast(fn: F, *, dtype: Any = ..., enabled: bool = ..., float8: Any = ...) -> F: ...
+def autocast(
+    fn: F, *, device_type: str = ..., dtype: Any = ..., enabled: bool = ..., float8: Any = ...
+) -> F: ...
 @overload
 def autocast(
-    fn: None = None, *, dtype: Any = ..., enabled: bool = ..., float8: Any = ...
+    fn: None = None,
+    *,
+    device_type: str = ...,
+    dtype: Any = ...,
+    enabled: bool = ...,
+    float8: Any = ...,
 ) -> Callable[[F], F]: ...
 
 
 def autocast(
     fn: Callable[..., Any] | None = None,
     *,
-    dtype: Any = jnp.float16,
+    device_type: str = "cuda",
+    dtype: Any = None,
     enabled: bool = True,
     float8: Any = None,
 ) -> Any:
-    """Run ``fn`` with PyTorch's CUDA autocast policy: ``with torch.autocast("cuda"):``.
+    """Run ``fn`` with PyTorch's autocast policy: ``with torch.autocast("cuda"):``, or
+    ``with torch.autocast("cpu"):`` with ``device_type="cpu"``.
 
     ``autocast(fn)`` returns a function that computes what ``fn`` computes, with
     each operation in the precision PyTorch's autocast gives it:
@@ -52,7 +62,12 @@ def autocast(
     * everything else runs in its inputs' dtype, the widest when they differ (a
       scalar does not widen an array).
 
-    The table is :data:`jaxscale.casting.POLICY`. Integer, boolean and key values
+    The table is :data:`jaxscale.casting.POLICY`. ``device_type="cpu"`` takes
+    PyTorch's CPU lists instead (:data:`jaxscale.casting.CPU_POLICY`, bfloat16 by
+    default): the same matmuls and convolutions in ``dtype``, but exponentials,
+    logarithms, powers, sums, softmax and norms in their inputs' dtype, and ``prod``,
+    linear algebra and fft in float32. The policy is the device type's, not where the
+    code runs: either runs on any JAX backend. Integer, boolean and key values
     are never cast, and parameters keep their dtype: the casts are inside the
     computation, so gradients come back in the parameters' dtype, and the
     backward matmuls run in ``dtype`` too. ``fn`` is traced once per call to a
@@ -72,8 +87,9 @@ def autocast(
 
     Args:
       fn: the function to transform; omit it to get a decorator.
-      dtype: ``jnp.float16`` (the default, PyTorch's ``"cuda"`` default) or
-        ``jnp.bfloat16``.
+      device_type: ``"cuda"`` (the default) or ``"cpu"``: whose autocast lists to follow.
+      dtype: ``jnp.float16`` or ``jnp.bfloat16``; ``None`` (the default) is the device
+        type's default, as in PyTorch: float16 for ``"cuda"``, bfloat16 for ``"cpu"``.
       enabled: if False, ``fn`` runs as written.
       float8: ``None`` (the default), or torchao's float8 training recipe for the
         matmuls of linear layers: ``"tensorwise"``, ``"rowwise"``,
@@ -87,9 +103,11 @@ def autocast(
       The transformed function, or a decorator when ``fn`` is omitted.
 
     Raises:
-      ValueError: for a ``dtype`` other than float16 or bfloat16, or an unknown
-        ``float8`` recipe.
-      TypeError: for a ``fn`` that is not callable, or a ``dtype`` that is no dtype.
+      ValueError: for a ``dtype`` other than float16 or bfloat16, a ``device_type``
+        other than ``"cuda"`` or ``"cpu"``, or an unknown ``float8`` recipe.
+      TypeError: for a ``fn`` that is not callable (a string: PyTorch's
+        ``torch.autocast("cpu")`` is ``autocast(fn, device_type="cpu")``), or a
+        ``dtype`` that is no dtype.
 
     >>> import jax.numpy as jnp, jaxscale
     >>> def layer(w, x):
@@ -102,24 +120,34 @@ def autocast(
     ...     return x @ w
     >>> project(jnp.ones((4, 4)), jnp.ones((2, 4))).dtype
     dtype(bfloat16)
+    >>> jaxscale.autocast(lambda x: jnp.exp(x @ x), device_type="cpu")(jnp.ones((2, 2))).dtype
+    dtype(bfloat16)
     """
-    dtype = _validated_dtype(dtype)
+    device_type = validated_device_type(device_type)
+    dtype = DEFAULT_DTYPES[device_type] if dtype is None else _validated_dtype(dtype)
     validation.as_bool("enabled", enabled)
     recipe = recipe_for(float8)
     if fn is None:
-        return _Decorator(dtype, enabled, recipe)
+        return _Decorator(device_type, dtype, enabled, recipe)
+    if isinstance(fn, str):
+        raise TypeError(
+            f"autocast's first argument is the function to transform, got {fn!r}: PyTorch's "
+            f'torch.autocast("{fn}") is jaxscale.autocast(fn, device_type="{fn}"), or '
+            f'@jaxscale.autocast(device_type="{fn}") on the function'
+        )
     if not callable(fn):
         raise TypeError(f"autocast expects a callable, got {type(fn).__name__} {fn!r}")
     kind = dtype.name + (f"+float8:{recipe.name}" if recipe is not None else "")
+    kind = kind if device_type == "cuda" else f"{device_type}:{kind}"
     scope = f"{MARKER}[{kind if enabled else 'disabled'}]"
 
     @functools.wraps(fn)
     def autocast_fn(*args: Any, **kwargs: Any) -> Any:
-        with jax.named_scope(scope), autocast_state(enabled, dtype):
+        with jax.named_scope(scope), autocast_state(enabled, dtype, device_type):
             if not enabled:
                 return fn(*args, **kwargs)
             refuse_inside_hidden_state(getattr(fn, "__name__", type(fn).__name__))
-            return _run(Autocaster(dtype, recipe), fn, args, kwargs)
+            return _run(Autocaster(dtype, recipe, device_type), fn, args, kwargs)
 
     return autocast_fn
 
@@ -130,8 +158,10 @@ class _Decorator:
     a ``with`` block inside a traced function is traced into the caller's program as it
     goes, and nothing JAX offers a library can rewrite it afterwards."""
 
-    def __init__(self, dtype: np.dtype, enabled: bool, recipe: Any):
-        self._options = {"dtype": dtype, "enabled": enabled, "float8": recipe}
+    def __init__(self, device_type: str, dtype: np.dtype, enabled: bool, recipe: Any):
+        self._options = {
+            "device_type": device_type, "dtype": dtype, "enabled": enabled, "float8": recipe
+        }  # fmt: skip
 
     def __call__(self, fn: Callable[..., Any]) -> Any:
         return autocast(fn, **self._options)

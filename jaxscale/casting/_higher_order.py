@@ -51,7 +51,7 @@ def _inline_call(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: l
     # A nested jit changes nothing inside an enclosing trace: its equations are
     # evaluated in place, so matmul/bias facts flow across its boundary too.
     closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if jit_defined_in_jax(eqn) in FLOAT32_FUNCTIONS:
+    if autocaster.device_type == "cuda" and jit_defined_in_jax(eqn) in FLOAT32_FUNCTIONS:
         invals = [autocaster.cast(v, jnp.float32) if v.dtype in _HALF else v for v in invals]
     return autocaster.eval(closed.jaxpr, closed.consts, invals, in_tags)
 
@@ -187,7 +187,8 @@ def _custom_jvp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
             zero_outputs[:] = [None if _is_array(o) else o for o in outs]
             return [o for o in outs if _is_array(o)]
 
-        with autocast_state(True, autocaster.dtype):  # the rule sees the forward's state
+        # the rule sees the forward's state
+        with autocast_state(True, autocaster.dtype, autocaster.device_type):
             rule_jaxpr = jax.make_jaxpr(traced_rule)(*given.traced_arrays)
         arrays = iter(autocaster.run(rule_jaxpr, given.arrays))
         outs = [next(arrays) if zero is None else zero for zero in zero_outputs]
@@ -225,7 +226,7 @@ def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
         def traced_forward(*vals: Any) -> Any:
             return fwd.call_wrapped(*[x for pair in zip(vals, perturbed) for x in pair])  # noqa: B905
 
-        with autocast_state(True, autocaster.dtype):
+        with autocast_state(True, autocaster.dtype, autocaster.device_type):
             fwd_jaxpr = jax.make_jaxpr(traced_forward)(*traced)
         _, res_tree, *rest = bind_params["out_trees"]()
         forwarded = list(rest[0]) if rest else [None] * res_tree.num_leaves
@@ -264,7 +265,8 @@ def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
             zero_outputs[:] = [not _is_array(o) for o in outs]
             return [o for o in outs if _is_array(o)]
 
-        with autocast_state(True, autocaster.dtype):  # as PyTorch's custom_bwd does
+        # as PyTorch's custom_bwd does
+        with autocast_state(True, autocaster.dtype, autocaster.device_type):
             bwd_jaxpr = jax.make_jaxpr(traced_backward)(*given.traced_arrays)
         nonzero = iter(autocaster.run(bwd_jaxpr, given.arrays))
         grads = []

@@ -149,9 +149,10 @@ def is_marked(eqn: Any) -> bool:
 class Autocaster:
     """Evaluates jaxprs with the policy for one autocast ``dtype`` (float16 or bfloat16)."""
 
-    def __init__(self, dtype: Any, float8: Float8Recipe | None = None):
+    def __init__(self, dtype: Any, float8: Float8Recipe | None = None, device_type: str = "cuda"):
         self.dtype = np.dtype(dtype)
         self.float8 = float8
+        self.device_type = device_type
         # Casts made in the jaxpr being evaluated, so that a value cast for several
         # operations is converted once: {(id(value), dtype): (value, cast value)}.
         self._casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
@@ -270,7 +271,7 @@ class Autocaster:
         self, eqn: Any, invals: list[Any], in_tags: list[Tag]
     ) -> tuple[list[Any], list[Tag]]:
         name = eqn.primitive.name
-        precision = row_for(name).precision
+        precision = row_for(name, self.device_type).precision
         traced = [v.aval.dtype for v in eqn.invars]
         params = dict(eqn.params)
         if precision is Precision.RECIPROCAL:
@@ -279,7 +280,7 @@ class Autocaster:
                 if Tag.SCALAR in in_tags[0] and Tag.SCALAR not in in_tags[1]
                 else Precision.WIDEST
             )
-        if name == "sub" and Tag.STABILIZER in in_tags[1]:
+        if name == "sub" and Tag.STABILIZER in in_tags[1] and self.device_type == "cuda":
             precision = Precision.FLOAT32  # softmax's x - max(x): the op runs in float32
 
         if precision is Precision.AS_TRACED:
@@ -331,20 +332,31 @@ class Autocaster:
         self, invals: list[Any], in_tags: list[Tag], traced: list[Any]
     ) -> list[Any]:
         """Floating inputs that shared a dtype when traced share one again: the widest of
-        their current dtypes, counting arrays before scalars (a scalar does not widen)."""
+        their current dtypes among those of the highest of PyTorch's three promotion
+        categories present: arrays, then 0-d values, then constant scalars (PyTorch's
+        Python numbers). So a scalar does not widen an array, nor a literal a 0-d value."""
         groups: dict[Any, list[int]] = {}
         for i, dtype in enumerate(traced):
             if is_floating(dtype) and is_floating(invals[i].dtype):
                 groups.setdefault(np.dtype(dtype), []).append(i)
         out = list(invals)
         for members in groups.values():
-            arrays = [i for i in members if Tag.SCALAR not in in_tags[i]] or members
+            highest = max(_promotion_category(in_tags[i]) for i in members)
+            arrays = [i for i in members if _promotion_category(in_tags[i]) == highest]
             target = invals[arrays[0]].dtype
             for i in arrays[1:]:
                 target = widest(target, invals[i].dtype)
             for i in members:
                 out[i] = self.cast(invals[i], target, in_tags[i])
         return out
+
+
+def _promotion_category(tag: Tag) -> int:
+    """PyTorch's type-promotion category: 2 for an array, 1 for a 0-d value, 0 for a
+    scalar known when traced (a Python number in PyTorch)."""
+    if Tag.SCALAR not in tag:
+        return 2
+    return 0 if Tag.CONSTANT in tag else 1
 
 
 def _is_bias_add(eqn: Any, invals: list[Any], in_tags: list[Tag]) -> bool:

@@ -1,4 +1,5 @@
-"""PyTorch's CUDA autocast policy, as a table from JAX primitives to precisions.
+"""PyTorch's autocast policies (CUDA's and the CPU's), as tables from JAX primitives to
+precisions.
 
 PyTorch's AMP documentation lists the CUDA ops that autocast to float16 (matmuls
 and convolutions), the ops that autocast to float32 (exponentials, logarithms,
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Mapping
+from typing import Any
 
 
 class Precision(enum.Enum):
@@ -140,6 +142,46 @@ POLICY: Mapping[str, Row] = {name: Row(precision, ops) for name, precision, ops 
 """Primitive name -> :class:`Row`: the precision it runs in and the PyTorch ops it stands for."""
 
 _UNLISTED = Row(Precision.AS_TRACED, "not in the table: runs as traced")
+
+# PyTorch's CPU autocast (``torch.autocast("cpu")``, bfloat16 by default) lists the same
+# matmuls and convolutions as CUDA's, but a different float32 list: exponentials,
+# logarithms, powers, sums and softmax are not on it (a bfloat16 input stays bfloat16),
+# while prod, linear algebra and fft are.
+_CPU_KEEPS_INPUT_DTYPE = (
+    "exp", "exp2", "expm1", "log", "log2", "log1p", "pow", "integer_pow", "square", "rsqrt",
+    "reduce_sum", "cumsum", "cumprod", "cumlogsumexp", "erf_inv", "tan", "sinh", "cosh", "asin",
+    "acos", "div",
+)  # fmt: skip
+_CPU_FLOAT32 = {
+    "fft": "fft_fft, fft_rfft, fft_ifft and the rest of torch.fft",
+    "cholesky": "cholesky, linalg_cholesky, linalg_cholesky_ex",
+    "eig": "linalg_eig, linalg_eigvals",
+    "eigh": "linalg_eigh, linalg_eigvalsh",
+    "lu": "_lu_with_info, linalg_lu_factor",
+    "geqrf": "geqrf, qr, linalg_qr",
+    "householder_product": "orgqr, linalg_householder_product",
+    "ormqr": "ormqr",
+    "qr": "qr, linalg_qr",
+    "svd": "svd, linalg_svd, linalg_svdvals, pinverse",
+    "triangular_solve": "triangular_solve, linalg_solve_triangular",
+}
+
+CPU_POLICY: Mapping[str, Row] = {
+    **POLICY,
+    **{
+        name: Row(WIDEST, POLICY[name].torch_ops + "; not on PyTorch's CPU float32 list")
+        for name in _CPU_KEEPS_INPUT_DTYPE
+    },
+    **{
+        name: Row(FLOAT32, ops + " (PyTorch's CPU float32 list)")
+        for name, ops in _CPU_FLOAT32.items()
+    },
+}
+"""The table of ``jaxscale.autocast(..., device_type="cpu")``: PyTorch's CPU autocast
+lists, as :data:`POLICY` is its CUDA lists."""
+
+POLICIES: Mapping[str, Mapping[str, Row]] = {"cuda": POLICY, "cpu": CPU_POLICY}
+"""Device type -> its policy table."""
 
 FLOAT32_FUNCTIONS: Mapping[str, str] = {
     "norm": "norm, linalg.norm, linalg.vector_norm, normalize (jnp.linalg.norm squares its "
@@ -283,7 +325,21 @@ def is_registered(primitive_name: str) -> bool:
     return primitive_name in _REGISTERED
 
 
-def row_for(primitive_name: str) -> Row:
-    """The policy row of a first-order primitive: a registered row, else the table's;
-    unlisted ones run as traced."""
-    return _REGISTERED.get(primitive_name) or POLICY.get(primitive_name, _UNLISTED)
+def row_for(primitive_name: str, device_type: str = "cuda") -> Row:
+    """The policy row of a first-order primitive under ``device_type``'s autocast
+    (``"cuda"`` or ``"cpu"``): a registered row, else the table's; unlisted ones run as
+    traced.
+
+    >>> import jaxscale
+    >>> jaxscale.casting.row_for("exp").precision, jaxscale.casting.row_for("exp", "cpu").precision
+    (<Precision.FLOAT32: 'float32'>, <Precision.WIDEST: 'the widest input dtype'>)
+    """
+    table = POLICIES[validated_device_type(device_type)]
+    return _REGISTERED.get(primitive_name) or table.get(primitive_name, _UNLISTED)
+
+
+def validated_device_type(device_type: Any) -> str:
+    """``device_type`` if it names a policy (``"cuda"`` or ``"cpu"``); else ValueError."""
+    if not isinstance(device_type, str) or device_type not in POLICIES:
+        raise ValueError(f'device_type must be "cuda" or "cpu", got {device_type!r}')
+    return device_type

@@ -12,59 +12,90 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-_DEFAULT_DTYPE = np.dtype(jnp.float16)
-_STATE: contextvars.ContextVar[tuple[bool, np.dtype]] = contextvars.ContextVar(
-    "jaxscale_autocast", default=(False, _DEFAULT_DTYPE)
+from jaxscale.casting._policy import validated_device_type
+
+DEFAULT_DTYPES = {"cuda": np.dtype(jnp.float16), "cpu": np.dtype(jnp.bfloat16)}
+"""Each device type's autocast dtype when none is given, as in PyTorch."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Region:
+    enabled: bool
+    dtype: np.dtype
+    device_type: str
+
+
+_OUTSIDE = _Region(False, DEFAULT_DTYPES["cuda"], "cuda")
+_STATE: contextvars.ContextVar[_Region] = contextvars.ContextVar(
+    "jaxscale_autocast", default=_OUTSIDE
 )
 
 
 @contextlib.contextmanager
-def autocast_state(enabled: bool, dtype: Any) -> Iterator[None]:
-    """Code run inside sees ``enabled`` and ``dtype`` (a disabled region keeps the
-    enclosing region's dtype, as PyTorch's ``autocast(enabled=False)`` does)."""
-    token = _STATE.set((enabled, np.dtype(dtype) if enabled else _STATE.get()[1]))
+def autocast_state(enabled: bool, dtype: Any, device_type: str = "cuda") -> Iterator[None]:
+    """Code run inside sees ``enabled``, ``dtype`` and ``device_type`` (a disabled region
+    keeps the enclosing region's dtype and device type, as PyTorch's
+    ``autocast(enabled=False)`` does)."""
+    outer = _STATE.get()
+    region = (
+        _Region(True, np.dtype(dtype), device_type)
+        if enabled
+        else _Region(False, outer.dtype, outer.device_type)
+    )
+    token = _STATE.set(region)
     try:
         yield
     finally:
         _STATE.reset(token)
 
 
-def is_autocast_enabled() -> bool:
+def is_autocast_enabled(device_type: str | None = None) -> bool:
     """Whether the code calling it is being traced by an enabled ``jaxscale.autocast``.
 
-    PyTorch's ``torch.is_autocast_enabled()``. True inside ``jaxscale.autocast(fn)``
-    (while ``fn`` is traced, eagerly or under ``jit``), False outside and inside a
-    nested ``autocast(g, enabled=False)``. A function jitted on its own is traced once:
-    its answer is the one of its first trace.
+    PyTorch's ``torch.is_autocast_enabled()`` and ``torch.is_autocast_enabled(device_type)``.
+    True inside ``jaxscale.autocast(fn)`` (while ``fn`` is traced, eagerly or under
+    ``jit``), False outside and inside a nested ``autocast(g, enabled=False)``; with
+    ``device_type`` (``"cuda"`` or ``"cpu"``), True only inside a region of that device
+    type's policy. A function jitted on its own is traced once: its answer is the one of
+    its first trace.
 
     >>> import jaxscale
     >>> seen = []
     >>> def layer(x):
-    ...     seen.append(jaxscale.is_autocast_enabled())
+    ...     seen.append((jaxscale.is_autocast_enabled(), jaxscale.is_autocast_enabled("cpu")))
     ...     return x * 2
     >>> _ = layer(1.0), jaxscale.autocast(layer)(1.0)
     >>> seen
-    [False, True]
+    [(False, False), (True, False)]
     """
-    return _STATE.get()[0]
+    region = _STATE.get()
+    if device_type is None:
+        return region.enabled
+    return region.device_type == validated_device_type(device_type) and region.enabled
 
 
-def get_autocast_dtype() -> np.dtype:
-    """The dtype of the enclosing ``jaxscale.autocast`` region (float16 outside any).
+def get_autocast_dtype(device_type: str | None = None) -> np.dtype:
+    """The dtype of the enclosing ``jaxscale.autocast`` region.
 
-    PyTorch's ``torch.get_autocast_dtype("cuda")``, whose default is float16 too.
+    PyTorch's ``torch.get_autocast_dtype(device_type)``: outside a region of that
+    device type, its default (float16 for ``"cuda"``, bfloat16 for ``"cpu"``); without
+    ``device_type``, the enclosing region's device type (``"cuda"`` outside any).
 
     >>> import jax.numpy as jnp, jaxscale
     >>> seen = []
     >>> _ = jaxscale.autocast(lambda x: seen.append(jaxscale.get_autocast_dtype()) or x,
     ...                       dtype=jnp.bfloat16)(1.0)
-    >>> seen
-    [dtype(bfloat16)]
+    >>> seen, jaxscale.get_autocast_dtype("cpu")
+    ([dtype(bfloat16)], dtype(bfloat16))
     """
-    return _STATE.get()[1]
+    region = _STATE.get()
+    if device_type is None or validated_device_type(device_type) == region.device_type:
+        return region.dtype
+    return DEFAULT_DTYPES[device_type]
