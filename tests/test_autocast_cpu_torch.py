@@ -9,6 +9,7 @@ logits follow PyTorch's CPU autocast more closely than with the CUDA policy.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -185,3 +186,112 @@ def test_a_loss_decorated_with_custom_fwd_runs_in_float32_as_pytorchs_cpu_losses
     assert theirs.dtype == torch.float32
     assert undecorated.dtype == jnp.bfloat16  # the loss's primitives keep bfloat16 there
     np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-6)
+
+
+# -- a PyTorch AMP loop with a custom_fwd function, ported line by line ---------------------
+
+
+class _TorchRMSNormalize(torch.autograd.Function):
+    """A numerically delicate block PyTorch code keeps in float32 under autocast."""
+
+    seen: ClassVar[list] = []  # (input dtype, autocast enabled) inside each forward
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, h):
+        _TorchRMSNormalize.seen.append((h.dtype, torch.is_autocast_enabled("cpu")))
+        inverse = torch.rsqrt((h * h).mean(-1, keepdim=True) + 1e-6)
+        ctx.save_for_backward(h, inverse)
+        return h * inverse
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        h, inverse = ctx.saved_tensors
+        mean = (grad * h).mean(-1, keepdim=True)
+        return inverse * grad - h * inverse**3 * mean
+
+
+def test_an_amp_loop_with_a_custom_fwd_function_ports_line_by_line():
+    import optax
+    from flax import nnx
+
+    rng = np.random.default_rng(0)
+    data = [
+        (rng.normal(size=(16, 8)).astype(np.float32), rng.normal(size=(16, 1)).astype(np.float32))
+        for _ in range(12)
+    ]
+    overflow_steps = {3, 4, 9}
+    settings = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
+
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+    params = [*first.parameters(), *second.parameters()]
+    initial = [p.detach().numpy().copy() for p in params]
+    torch_opt = torch.optim.SGD(params, lr=1e-2)
+    torch_scaler = torch.amp.GradScaler("cpu", **settings)
+    torch_scales, torch_seen = [], []
+    for step, (x, y) in enumerate(data):
+        torch_opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            hidden = first(torch.from_numpy(x))
+            normalized = _TorchRMSNormalize.apply(hidden)
+            torch_seen.append((hidden.dtype, normalized.dtype))
+            loss = F.mse_loss(second(normalized), torch.from_numpy(y))
+        torch_scaler.scale(loss).backward()
+        if step in overflow_steps:
+            first.weight.grad.fill_(float("inf"))
+        torch_scaler.step(torch_opt)
+        torch_scaler.update()
+        torch_scales.append(torch_scaler.get_scale())
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.first = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
+            self.second = nnx.Linear(16, 1, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.second(rms_normalize(self.first(x)))
+
+    jax_seen = []
+
+    @jaxscale.custom_fwd(cast_inputs=jnp.float32)
+    def rms_normalize(h):
+        jax_seen.append((h.dtype, jaxscale.is_autocast_enabled("cpu")))
+        return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
+
+    model = Model()
+    for layer, (w, b) in ((model.first, initial[:2]), (model.second, initial[2:])):
+        layer.kernel[...] = jnp.asarray(w.T)
+        layer.bias[...] = jnp.asarray(b)
+    optimizer = nnx.Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param)
+    scaler = jaxscale.GradScaler(**settings)
+
+    def loss_fn(model, x, y):
+        return jnp.mean((model(x) - y) ** 2)
+
+    @nnx.jit
+    def train_step(model, optimizer, scaler, x, y, overflow):
+        autocast_loss = jaxscale.autocast(loss_fn, device_type="cpu", dtype=jnp.float16)
+        grads = nnx.grad(lambda m: scaler.scale(autocast_loss(m, x, y)))(model)
+        grads = jax.tree.map(lambda g: jnp.where(overflow, jnp.inf, g), grads)
+        scaler.step(optimizer, model, grads)
+        scaler.update()
+
+    jax_scales = []
+    with third_party.standard_promotion():
+        for step, (x, y) in enumerate(data):
+            train_step(model, optimizer, scaler, x, y, step in overflow_steps)
+            jax_scales.append(scaler.get_scale())
+
+    assert jax_scales == torch_scales
+    assert torch_seen[0] == (torch.float16, torch.float32)  # the block's output is float32
+    # inside the block: float32 inputs and autocast off, in both
+    assert set(_TorchRMSNormalize.seen) == {(torch.float32, False)}
+    assert set(jax_seen) == {(np.dtype(jnp.float32), False)}
+    np.testing.assert_allclose(
+        np.asarray(model.first.kernel[...]), first.weight.detach().numpy().T, atol=2e-3
+    )
+    np.testing.assert_allclose(
+        np.asarray(model.second.kernel[...]), second.weight.detach().numpy().T, atol=2e-3
+    )
