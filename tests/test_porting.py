@@ -199,3 +199,52 @@ def test_an_unknown_device_type_is_refused_by_name(bad):
 def test_torchs_positional_device_type_is_explained():
     with pytest.raises(TypeError, match=r'jaxscale.autocast\(fn, device_type="cpu"\)'):
         jaxscale.autocast("cpu")
+
+
+def _scaler_step_fn():
+    import optax
+    from flax import nnx
+
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    def step(model, optimizer, scaler, x):
+        grads = nnx.grad(lambda m: scaler.scale(jnp.sum(m(x))))(model)
+        scaler.step(optimizer, model, grads)
+        scaler.update()
+        return scaler
+
+    return model, optimizer, step
+
+
+def test_a_scaler_not_returned_from_jax_jit_is_warned_about_once():
+    model, optimizer, step = _scaler_step_fn()
+    scaler = jaxscale.GradScaler(init_scale=1024.0, growth_interval=1)
+    jitted = jax.jit(step)
+    for _ in range(3):
+        jitted(model, optimizer, scaler, jnp.ones((3, 2)))  # the returned scaler is dropped
+    with pytest.warns(jaxscale.ScaleWarning, match="the updated scaler was not returned"):
+        assert scaler.get_scale() == 1024.0  # never moved
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert scaler.skipped_steps() == 0  # said once
+
+
+@pytest.mark.parametrize("how", ["returned from jax.jit", "nnx.jit", "eager"])
+def test_a_scaler_that_came_back_is_not_warned_about(how):
+    from flax import nnx
+
+    model, optimizer, step = _scaler_step_fn()
+    scaler = jaxscale.GradScaler(init_scale=1024.0, growth_interval=1)
+    x = jnp.ones((3, 2))
+    for _ in range(3):
+        if how == "returned from jax.jit":
+            scaler = jax.jit(step)(model, optimizer, scaler, x)
+        elif how == "nnx.jit":
+            nnx.jit(step)(model, optimizer, scaler, x)
+        else:
+            step(model, optimizer, scaler, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert scaler.get_scale() == 8192.0
+        assert scaler.state_dict()["scale"] == 8192.0

@@ -35,6 +35,7 @@ from jaxscale.core import (
     warn_about_scaled_loss,
     warn_if_unhealthy,
 )
+from jaxscale.core._diagnostics import ScaleWarning
 from jaxscale.facade._iteration import Iteration, OptimizerRecord, Stage
 from jaxscale.facade._optimizers import adapter_for
 from jaxscale.facade._state_dict import STATE_DICT_KEYS, parse_state_dict
@@ -93,6 +94,18 @@ def _when_enabled(default: Callable[..., Any]) -> Callable[[Callable[..., T]], C
         return wrapper
 
     return decorate
+
+
+def _noticing_lost_updates(method: Callable[..., T]) -> Callable[..., T]:
+    """A query that first warns if a traced ``update()`` never came back (see
+    ``GradScaler._warn_if_traced_update_was_lost``)."""
+
+    @functools.wraps(method)
+    def wrapper(self: GradScaler, *args: Any, **kwargs: Any) -> Any:
+        self._warn_if_traced_update_was_lost()
+        return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 class GradScaler(nnx.Pytree):
@@ -216,6 +229,7 @@ class GradScaler(nnx.Pytree):
             OverflowOriginVariable(empty_nonfinite_record()) if record_overflow_origin else None
         )
         self._origin_report: tuple[type, Any] | None = None
+        self._iteration.seen_state = self._state_leaves()
 
     @property
     def _scaler_state(self) -> ScalerState:
@@ -223,6 +237,42 @@ class GradScaler(nnx.Pytree):
 
     def _set_scaler_state(self, state: ScalerState) -> None:
         self._state.set_value(state)
+        if any(_is_traced(leaf) for leaf in jax.tree.leaves(state)):
+            self._iteration.traced_update = True
+        else:
+            self._iteration.seen_state = self._state_leaves()
+            self._iteration.traced_update = False
+
+    def _state_leaves(self) -> tuple[Any, ...]:
+        return tuple(jax.tree.leaves(self._scaler_state))
+
+    def _warn_if_traced_update_was_lost(self) -> None:
+        """Warn when ``update()`` was traced on a copy of this scaler since its state was
+        last seen, and this scaler's state is still the very same arrays: the copy
+        (``jax.jit`` traces one) was not returned, so this scaler never moves."""
+        iteration = self._iteration
+        if not iteration.traced_update:
+            return
+        leaves = self._state_leaves()
+        if any(_is_traced(leaf) for leaf in leaves):
+            return
+        lost = len(leaves) == len(iteration.seen_state) and all(
+            a is b for a, b in zip(leaves, iteration.seen_state, strict=True)
+        )
+        iteration.seen_state, iteration.traced_update = leaves, False
+        if lost:
+            warnings.warn(
+                ScaleWarning(
+                    "GradScaler.update() was traced on a copy of this scaler (inside jax.jit "
+                    "or another transform), and this scaler's state has not changed since: "
+                    "if that function ran, the updated scaler was not returned, so this one "
+                    "keeps its old scale and counts. Return the scaler from the jax.jit "
+                    "function and use the returned one, or pass it to nnx.jit, which "
+                    "updates it in place. (After only tracing it, with .lower(), "
+                    "make_jaxpr or eval_shape, nothing is lost.)"
+                ),
+                stacklevel=3,
+            )
 
     # -- the training-loop API --------------------------------------------------------
 
@@ -372,6 +422,7 @@ class GradScaler(nnx.Pytree):
     # -- was it skipped? ----------------------------------------------------------------
 
     @_when_enabled(lambda self, optimizer=None: False)
+    @_noticing_lost_updates
     def found_inf(self, optimizer: Any = None) -> Any:
         """Whether gradients held an inf or NaN, so that the step was (or will be) skipped.
 
@@ -415,6 +466,7 @@ class GradScaler(nnx.Pytree):
         )
 
     @_when_enabled(lambda self: 0)
+    @_noticing_lost_updates
     def skipped_steps(self) -> Any:
         """How many iterations ``update()`` has ended with a skipped step (saturating at
         ``2**31 - 1``). A Python int outside ``jit``, a traced int32 inside; 0 when disabled."""
@@ -439,6 +491,7 @@ class GradScaler(nnx.Pytree):
     # -- getters and setters ------------------------------------------------------------
 
     @_when_enabled(lambda self: 1.0)
+    @_noticing_lost_updates
     def get_scale(self) -> Any:
         """The scale: a Python float, or a traced array inside ``jit``; 1.0 when disabled."""
         return _concrete(self._scaler_state.scale, float)
@@ -509,6 +562,7 @@ class GradScaler(nnx.Pytree):
             growth_interval=parsed.growth_interval,
         )
         state = init_scaler_state(parsed.scale, parsed.growth_tracker)
+        self._warn_if_traced_update_was_lost()
         self._rule = rule
         self._set_scaler_state(state)
 

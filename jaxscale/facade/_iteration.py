@@ -61,6 +61,10 @@ class Iteration:
         self.finished_ids: frozenset[int] = frozenset()
         self._finished_flags: dict[int, jax.Array | None] = {}
         self._finished_trace: object = None
+        # To notice a scaler whose traced update() never came back: the state's arrays
+        # when last seen outside a trace, and whether update() was traced since.
+        self.seen_state: tuple[Any, ...] = ()
+        self.traced_update = False
 
     @property
     def optimizers(self) -> dict[int, OptimizerRecord]:
