@@ -21,6 +21,7 @@ import jax
 
 from benchmarks import (
     autocast_step,
+    compile_time,
     counts,
     diagnosis_step,
     lowering,
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
     groups = train_step.main(["--repeats", str(args.repeats)])
     for group, results in groups.items():
         emit(f"Full train step (float16 transformer), {group}", table(results))
+    _, text = capture(compile_time.main, [])
+    emit("Trace + compile time by number of leaves", text)
     _, text = capture(diagnosis_step.main, ["--repeats", str(args.repeats)])
     emit("locate_nonfinite when on: step and compile time", text)
     _, text = capture(unscale_throughput.main, ["--repeats", str(args.repeats)])

@@ -4,7 +4,9 @@ Trains the character-level transformer of ``char_lm.py`` three times on the same
 data (float16 means ``jaxscale.autocast``, PyTorch's autocast policy) and reports,
 for each, the final losses, the next-character accuracy on held-out text and the
 share of gradient elements that float16 flushes to zero.
-Writes a markdown table and a plot of the three loss curves.
+Writes a markdown table (printed, and saved next to the plot as ``.md``) and a plot of
+the loss curves. The README's tables are these files, included as they were written
+(a test compares them), so a figure there is the output of the command it names.
 
     python examples/compare_precisions.py                  # as one of 256 devices
     python examples/compare_precisions.py --devices 1 256  # where the effect appears
@@ -83,7 +85,17 @@ def compare(steps: int, devices: int, dataset: char_lm.Dataset) -> list[dict[str
     return rows, histories
 
 
-def table(rows: list[dict[str, object]]) -> str:
+def table(rows: list[dict[str, object]], *, float8: bool = False) -> str:
+    """The markdown table of the comparison (for ``--float8``: the setting, losses and
+    accuracy, without the columns float8 training has no values for)."""
+    if float8:
+        lines = ["| setting | train loss | val loss | val accuracy |", "|---|---|---|---|"]
+        lines += [
+            f"| {r['setting']} | {r['train_loss']:.3f} | {r['val_loss']:.3f} | "
+            f"{r['val_accuracy']:.1%} |"
+            for r in rows
+        ]
+        return "\n".join(lines)
     lines = [
         "| devices | setting | train loss | val loss | val accuracy "
         "| gradient elements flushed to 0 | skipped steps |",
@@ -130,11 +142,18 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--steps", type=int, default=char_lm.Config().steps)
     parser.add_argument("--devices", type=int, nargs="+", default=[char_lm.Config().devices])
     parser.add_argument(
-        "--plot", type=pathlib.Path, default=pathlib.Path("precision_comparison.png")
+        "--plot",
+        type=pathlib.Path,
+        default=None,
+        help="the plot's path (default: precision_comparison.png, or float8_comparison.png "
+        "with --float8); the table is written beside it, as .md",
     )
     parser.add_argument("--float8", action="store_true",
                         help="bfloat16 against torchao's float8 recipes instead")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.plot is None:
+        name = "float8_comparison" if args.float8 else "precision_comparison"
+        args.plot = pathlib.Path(f"{name}.png")
     dataset = char_lm.Dataset.load()
     rows, all_histories = [], {}
     run = compare_float8 if args.float8 else compare
@@ -142,10 +161,11 @@ def main(argv: list[str] | None = None) -> str:
         print(f"As one of {devices} data-parallel devices:")
         device_rows, all_histories[devices] = run(args.steps, devices, dataset)
         rows += device_rows
-    report = table(rows)
+    report = table(rows, float8=args.float8)
     print("\n" + report)
     plot(all_histories, args.plot)
-    print(f"\nplot: {args.plot}")
+    args.plot.with_suffix(".md").write_text(report + "\n")
+    print(f"\nplot: {args.plot}\ntable: {args.plot.with_suffix('.md')}")
     return report
 
 

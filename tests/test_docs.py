@@ -66,3 +66,30 @@ def test_the_readme_gives_one_command_that_builds_the_docs():
         'pip install -e ".[docs]" && sphinx-build -W -b html docs docs/_build/html'
         in (ROOT / "README.md").read_text()
     )
+
+
+# The README's measured tables are the files the example writes, copied verbatim: each
+# names the command that wrote it, and this keeps the two from drifting apart.
+MEASURED_TABLES = {
+    "examples/figures/precision_comparison.md": (
+        "python examples/compare_precisions.py --devices 1 256"
+    ),
+    "examples/figures/float8_comparison.md": (
+        "python examples/compare_precisions.py --float8 --devices 1"
+    ),
+}
+
+
+@pytest.mark.parametrize("path", sorted(MEASURED_TABLES))
+def test_the_readmes_measured_tables_are_the_files_their_command_wrote(path):
+    readme = (ROOT / "README.md").read_text()
+    table = (ROOT / path).read_text().strip()
+    # the README may indent a table inside a list item
+    readme_lines = [line.strip() for line in readme.splitlines()]
+    table_lines = table.splitlines()
+    starts = [
+        i for i in range(len(readme_lines)) if readme_lines[i : i + len(table_lines)] == table_lines
+    ]
+    assert starts, f"README.md does not contain {path} as written"
+    assert f"`{MEASURED_TABLES[path]}`" in readme
+    assert len(table_lines) > 2  # a header, its rule and rows

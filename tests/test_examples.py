@@ -90,6 +90,7 @@ def test_precision_comparison(tmp_path):
     assert report.count("\n") == 4  # header, rule, three settings
     assert "float16 + jaxscale" in report
     assert (tmp_path / "c.png").exists()
+    assert (tmp_path / "c.md").read_text() == report + "\n"
 
 
 def test_linen_train_state():

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxscale.core._jaxprs import bind_equation, is_literal, is_variable, literal_value
 
@@ -21,9 +22,12 @@ def skipped_update(update: jax.Array) -> jax.Array:
     ``p``, including ``p == -0.0``, so ``optax.apply_updates`` leaves parameters
     exactly as they were.
     """
-    if jnp.issubdtype(update.dtype, jnp.floating):
-        return jnp.full_like(update, -0.0)
-    return jnp.zeros_like(update)
+    return _skipped_value(update.shape, update.dtype)
+
+
+def _skipped_value(shape: Any, dtype: Any) -> jax.Array:
+    fill = -0.0 if jnp.issubdtype(dtype, jnp.floating) else 0
+    return lax.full(shape, fill, dtype)
 
 
 def skip_by_select(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
@@ -49,19 +53,26 @@ def skip_by_select(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
         return jax.tree.leaves(fn(jax.tree.unflatten(tree, leaves)))
 
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*before)
-    jaxpr = closed.jaxpr
     if len(out_shape) != len(before):
         raise ValueError(
             f"the skipped function must return its carry's structure: {len(before)} "
             f"leaves in, {len(out_shape)} out"
         )
-    selected = _outputs_to_select(jaxpr, before)
-    after = _evaluate_selecting(jaxpr, closed.consts, before, found_inf, selected)
-    outs = [
+    return jax.tree.unflatten(tree, _run_selecting(found_inf, closed, before, before))
+
+
+def _run_selecting(
+    found_inf: jax.Array, closed: Any, args: list[Any], olds: list[Any]
+) -> list[Any]:
+    """Evaluate ``closed`` on ``args``, each output selected against its ``olds`` entry
+    (where it is computed, or at the end for an output passed through)."""
+    jaxpr = closed.jaxpr
+    selected = _outputs_to_select(jaxpr, olds)
+    after = _evaluate_selecting(jaxpr, closed.consts, args, found_inf, selected)
+    return [
         new if _is_selected(var, selected) else jnp.where(found_inf, old, new)
-        for var, old, new in zip(jaxpr.outvars, before, after, strict=True)
+        for var, old, new in zip(jaxpr.outvars, olds, after, strict=True)
     ]
-    return jax.tree.unflatten(tree, outs)
 
 
 def _outputs_to_select(jaxpr: Any, olds: list[Any]) -> dict[Any, Any]:
@@ -153,12 +164,34 @@ def update_unless(
     update is selected against its ``-0.0`` where it is computed, so no buffer of
     ``-0.0`` is ever filled.
     """
-    updates_shape, _ = jax.eval_shape(update, grads, state)
+    if not isinstance(found_inf, jax.core.Tracer):
+        if not bool(found_inf):
+            return update(grads, state)
+        updates_shape, _ = jax.eval_shape(update, grads, state)
+        return skipped_updates_like(updates_shape), state
+    # Traced once (its jaxpr gives the updates' shapes too), then evaluated selecting.
+    before, state_tree = jax.tree.flatten(state)
+    trees: list[Any] = []
 
-    def update_state(carry: tuple[Any, Any]) -> tuple[Any, Any]:
-        return update(grads, carry[1])
+    def flat_update(*leaves: Any) -> list[Any]:
+        updates, new_state = update(grads, jax.tree.unflatten(state_tree, leaves))
+        flat_updates, updates_tree = jax.tree.flatten(updates)
+        flat_state, new_state_tree = jax.tree.flatten(new_state)
+        if new_state_tree != state_tree:
+            raise ValueError(
+                f"the update must return a state of its input's structure: {state_tree} in, "
+                f"{new_state_tree} out"
+            )
+        trees.append((updates_tree, len(flat_updates)))
+        return [*flat_updates, *flat_state]
 
-    return run_unless(found_inf, update_state, (skipped_updates_like(updates_shape), state))
+    closed, out_shape = jax.make_jaxpr(flat_update, return_shape=True)(*before)
+    updates_tree, count = trees[-1]
+    skipped = [_skipped_value(s.shape, s.dtype) for s in out_shape[:count]]
+    outs = _run_selecting(found_inf, closed, before, [*skipped, *before])
+    return jax.tree.unflatten(updates_tree, outs[:count]), jax.tree.unflatten(
+        state_tree, outs[count:]
+    )
 
 
 def skipped_updates_like(updates: Any) -> Any:
@@ -166,4 +199,4 @@ def skipped_updates_like(updates: Any) -> Any:
 
     ``updates`` may hold ``jax.ShapeDtypeStruct`` leaves (from ``jax.eval_shape``).
     """
-    return jax.tree.map(lambda u: skipped_update(jnp.zeros(u.shape, u.dtype)), updates)
+    return jax.tree.map(lambda u: _skipped_value(u.shape, u.dtype), updates)
