@@ -177,7 +177,7 @@ def update_unless(
         updates, new_state = update(grads, jax.tree.unflatten(state_tree, leaves))
         flat_updates, updates_tree = jax.tree.flatten(updates)
         flat_state, new_state_tree = jax.tree.flatten(new_state)
-        if new_state_tree != state_tree:
+        if new_state_tree != state_tree:  # type: ignore[operator]
             raise ValueError(
                 f"the update must return a state of its input's structure: {state_tree} in, "
                 f"{new_state_tree} out"
