@@ -183,3 +183,37 @@ def test_the_compiled_step_grows_linearly_with_the_number_of_leaves():
     # number of leaves: 81 s at 200 leaves on a 2-core CPU.
     small, large = compiled_size(20), compiled_size(40)
     assert large < 2.2 * small, (small, large)
+
+
+def test_update_unless_traces_the_update_once_and_skips_to_negative_zero_updates():
+    from jaxscale.core import update_unless
+
+    traces = []
+
+    def update(grads, state):
+        traces.append(1)
+        return {"w": -0.1 * grads["w"], "n": grads["n"]}, {"count": state["count"] + 1}
+
+    grads = {"w": jnp.array([1.0, -2.0]), "n": jnp.array([3], jnp.int32)}
+    state = {"count": jnp.int32(4)}
+    step = jax.jit(lambda found_inf: update_unless(found_inf, update, grads, state))
+    applied, skipped = step(jnp.asarray(False)), step(jnp.asarray(True))
+    assert len(traces) == 1  # one trace gives the jaxpr and the updates' shapes
+    np.testing.assert_allclose(applied[0]["w"], [-0.1, 0.2])
+    assert int(applied[1]["count"]) == 5
+    assert np.signbit(np.asarray(skipped[0]["w"])).all()
+    assert skipped[0]["w"].tolist() == [0.0, 0.0]
+    assert skipped[0]["n"].tolist() == [0]
+    assert int(skipped[1]["count"]) == 4
+
+
+def test_update_unless_refuses_an_update_that_changes_the_states_structure():
+    from jaxscale.core import update_unless
+
+    def update(grads, state):
+        return grads, {"count": state["count"], "extra": state["count"]}
+
+    with pytest.raises(ValueError, match="must return a state of its input's structure"):
+        jax.jit(lambda f: update_unless(f, update, jnp.ones(2), {"count": jnp.int32(0)}))(
+            jnp.asarray(False)
+        )
