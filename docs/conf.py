@@ -19,8 +19,9 @@ HERE = pathlib.Path(__file__).resolve().parent
 for notebook in sorted((HERE.parent / "notebooks").glob("*.ipynb")):
     shutil.copy2(notebook, HERE / "notebooks" / notebook.name)
 # README sections included here show the examples' figures by their path in the repository
+# (the images only: the tables beside them are in the README's text already)
 shutil.copytree(HERE.parent / "examples" / "figures", HERE / "examples" / "figures",
-                dirs_exist_ok=True)  # fmt: skip
+                dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.md"))  # fmt: skip
 
 project = "jaxscale"
 author = "The jaxscale authors"
