@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.flatten_util import ravel_pytree
+from tqdm import tqdm
 
 import jaxscale
 
@@ -73,7 +74,8 @@ def train(config, data, use_facade: bool) -> tuple[float, float]:
 
     stream = data.batches("train", config.batch_size, config.seq_len, seed=0)
     clipped = 0
-    for _ in range(config.steps):
+    label = "GradScaler" if use_facade else "grad_scaler"
+    for _ in tqdm(range(config.steps), desc=f"  {label}", unit="step", leave=False):
         x, y = next(stream)
         norm = (
             facade_step(model, optimizer, scaler, x, y)
