@@ -93,3 +93,20 @@ def test_the_readmes_measured_tables_are_the_files_their_command_wrote(path):
     assert starts, f"README.md does not contain {path} as written"
     assert f"`{MEASURED_TABLES[path]}`" in readme
     assert len(table_lines) > 2  # a header, its rule and rows
+
+
+def test_the_cores_public_names_are_documented_and_the_readmes_core_table_is_in_them():
+    import jaxscale.core as core
+
+    undocumented = [
+        name for name in core.__all__ if name != "AxisName" and not getattr(core, name).__doc__
+    ]
+    assert undocumented == []
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("Core (pure, jittable functions") :]
+    section = section[: section.index("\n\n", section.index("|"))]
+    tabled = set(re.findall(r"^\| `(\w+)\(", section, flags=re.MULTILINE))
+    assert tabled, "the README's core table was not found"
+    assert tabled <= set(core.__all__)
+    # helpers shared between layers are not part of it
+    assert not {"validation", "unscale", "require_matching", "scaler_metrics"} & set(dir(core))

@@ -16,7 +16,7 @@ from jaxscale.casting._hidden_state import refuse_inside_hidden_state
 from jaxscale.casting._interpreter import MARKER, Autocaster, cast_floating
 from jaxscale.casting._policy import validated_device_type
 from jaxscale.casting._region import DEFAULT_DTYPES, autocast_state
-from jaxscale.core import validation
+from jaxscale.core import _validation as validation
 from jaxscale.core._stateful_call import TracedCall
 
 F = TypeVar("F", bound=Callable[..., Any])

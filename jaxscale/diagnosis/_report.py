@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxscale.core import NonfiniteRecord, empty_nonfinite_record
+from jaxscale.core._diagnostics import NonfiniteRecord, empty_nonfinite_record
 from jaxscale.diagnosis._frames import Location
 
 INF, NAN = 1, 2

@@ -21,21 +21,23 @@ from jaxscale.core import (
     ScaleUpdateRule,
     all_finite,
     any_over_axis,
-    disabled_metrics,
-    empty_nonfinite_record,
-    floating_leaves,
     init_scaler_state,
     inverse_scale,
-    keep_overflow_record,
     scale_outputs,
-    scaler_metrics,
-    unscale,
     unscale_and_check,
-    validation,
+)
+from jaxscale.core import _validation as validation
+from jaxscale.core._diagnostics import (
+    ScaleWarning,
+    disabled_metrics,
+    empty_nonfinite_record,
+    keep_overflow_record,
+    scaler_metrics,
     warn_about_scaled_loss,
     warn_if_unhealthy,
 )
-from jaxscale.core._diagnostics import ScaleWarning
+from jaxscale.core._leaves import floating_leaves
+from jaxscale.core._scaling import unscale
 from jaxscale.facade._iteration import Iteration, OptimizerRecord, Stage
 from jaxscale.facade._optimizers import adapter_for
 from jaxscale.facade._state_dict import STATE_DICT_KEYS, parse_state_dict

@@ -33,7 +33,9 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
-from jaxscale.core import require_matching, run_unless, skipped_updates_like
+from jaxscale.core import run_unless
+from jaxscale.core._leaves import require_matching
+from jaxscale.core._skip import skipped_updates_like
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]

@@ -9,20 +9,18 @@ import optax
 
 from jaxscale.core import (
     AxisName,
-    NonfiniteRecord,
     ScalerState,
     ScaleUpdateRule,
     all_finite,
     any_over_axis,
-    empty_nonfinite_record,
     init_scaler_state,
     inverse_scale,
-    keep_overflow_record,
-    require_matching,
-    unscale,
     update_unless,
-    validation,
 )
+from jaxscale.core import _validation as validation
+from jaxscale.core._diagnostics import NonfiniteRecord, empty_nonfinite_record, keep_overflow_record
+from jaxscale.core._leaves import require_matching
+from jaxscale.core._scaling import unscale
 
 
 class GradScalerState(NamedTuple):

@@ -14,11 +14,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxscale.core import (
+from jaxscale.core import ScalerState, scale_outputs
+from jaxscale.core._diagnostics import (
     NonfiniteRecord,
-    ScalerState,
     disabled_metrics,
-    scale_outputs,
     scaler_metrics,
     warn_about_scaled_loss,
     warn_if_unhealthy,
