@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import third_party
 import torch
-from torch_transformer import TorchTransformer, copy_weights
+from torch_transformer import small_twins
 
 import jaxscale
 
@@ -133,17 +133,7 @@ def test_jnp_reductions_of_half_precision_inputs_keep_the_cast_back_jnp_writes()
 
 
 def test_a_transformer_under_the_cpu_policy_agrees_with_torchs_cpu_autocast(char_lm):
-    from flax import nnx
-
-    dataset = char_lm.Dataset.load()
-    config = char_lm.Config(width=64, layers=2, heads=4, seq_len=32)
-    model = char_lm.CharTransformer(
-        len(dataset.chars), config.seq_len, config.width, config.layers, config.heads,
-        nnx.Rngs(0),
-    )  # fmt: skip
-    twin = TorchTransformer(len(dataset.chars), config.seq_len, config.width, 2, 4)
-    copy_weights(model, twin)
-    x, _ = next(dataset.batches("train", 4, config.seq_len, seed=3))
+    model, twin, x, _ = small_twins(char_lm)
     with third_party.standard_promotion():
         cpu_logits = jaxscale.autocast(model, device_type="cpu")(x)
         cuda_logits = jaxscale.autocast(model, dtype=jnp.bfloat16)(x)

@@ -9,31 +9,19 @@ each other than float16 is to float32 on its own.
 
 from __future__ import annotations
 
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import third_party
 import torch
 from flax import nnx
-from torch_transformer import TorchTransformer, copy_weights
+from torch_transformer import small_twins
 
 import jaxscale
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
-
 
 def test_same_transformer_under_both_autocasts_agrees_to_float16_accuracy(char_lm):
-    dataset = char_lm.Dataset.load()
-    config = char_lm.Config(width=64, layers=2, heads=4, seq_len=32)
-    model = char_lm.CharTransformer(
-        len(dataset.chars), config.seq_len, config.width, config.layers, config.heads,
-        nnx.Rngs(0),
-    )  # fmt: skip
-    twin = TorchTransformer(len(dataset.chars), config.seq_len, config.width, 2, 4)
-    copy_weights(model, twin)
-    x, y = next(dataset.batches("train", 4, config.seq_len, seed=3))
+    model, twin, x, y = small_twins(char_lm)
 
     with third_party.standard_promotion():
         logits32 = np.asarray(model(x))

@@ -79,3 +79,20 @@ def copy_weights(model, twin: TorchTransformer) -> None:
         linear(ours.down, theirs.down)
     norm(model.norm, twin.norm)
     linear(model.head, twin.head)
+
+
+def small_twins(char_lm, seed: int = 0):
+    """A small ``char_lm.CharTransformer`` (width 64, two layers, four heads, 32 characters),
+    its torch twin with the same weights, and a batch of 4: ``(model, twin, x, y)``."""
+    from flax import nnx
+
+    dataset = char_lm.Dataset.load()
+    config = char_lm.Config(width=64, layers=2, heads=4, seq_len=32)
+    model = char_lm.CharTransformer(
+        len(dataset.chars), config.seq_len, config.width, config.layers, config.heads,
+        nnx.Rngs(seed),
+    )  # fmt: skip
+    twin = TorchTransformer(len(dataset.chars), config.seq_len, config.width, 2, 4)
+    copy_weights(model, twin)
+    x, y = next(dataset.batches("train", 4, config.seq_len, seed=3))
+    return model, twin, x, y
