@@ -178,12 +178,13 @@ class Config:
 
 
 def build(
-    config: Config, dataset: Dataset
+    config: Config, dataset: Dataset | int
 ) -> tuple[CharTransformer, nnx.Optimizer, jaxscale.GradScaler]:
+    """The model, optimizer and scaler, for ``dataset``'s characters (or a vocabulary size)."""
+    vocab = dataset if isinstance(dataset, int) else len(dataset.chars)
     model = CharTransformer(
-        len(dataset.chars), config.seq_len, config.width, config.layers, config.heads,
-        nnx.Rngs(config.seed),
-    )  # fmt: skip
+        vocab, config.seq_len, config.width, config.layers, config.heads, nnx.Rngs(config.seed)
+    )
     optimizer = nnx.Optimizer(model, optax.adam(config.learning_rate), wrt=nnx.Param)
     scaler = jaxscale.GradScaler(
         init_scale=config.init_scale,
@@ -191,6 +192,20 @@ def build(
         enabled=config.scaler and config.precision == "float16",
     )
     return model, optimizer, scaler
+
+
+def split_step(config: Config, vocab: int = 96) -> tuple[Any, Any, Callable[..., Any], jax.Array]:
+    """The train step in parts a pure function is made of, on random tokens.
+
+    Returns ``(graphdef, state, body, tokens)``: ``nnx.merge(graphdef, state)`` gives
+    the model, optimizer and scaler, ``body`` runs one step on them
+    (:func:`train_step_body`), and ``tokens`` is a batch of ``vocab`` random characters,
+    for a benchmark or a lowering that needs no dataset.
+    """
+    graphdef, state = nnx.split(build(config, vocab))
+    rng = np.random.default_rng(config.seed)
+    tokens = jnp.asarray(rng.integers(0, vocab, (config.batch_size, config.seq_len)), jnp.int32)
+    return graphdef, state, train_step_body(config), tokens
 
 
 def train_step_body(config: Config) -> Callable[..., tuple[Any, ...]]:

@@ -5,7 +5,9 @@ compute, trained on Python's documentation (it ships with Python, so nothing
 is downloaded) as one of 256 simulated data-parallel devices, which is where
 float16 gradients underflow without loss scaling (see ``char_lm.py``). It shows
 a progress bar, prints a summary and writes a plot of the loss and the loss
-scale over the run.
+scale over the run, and beside it (``.md``) the summary's figures as a table: the
+README's table is that file, as ``--plot examples/figures/char_lm_training.png``
+wrote it.
 
     python examples/train_char_lm.py                   # float16 + jaxscale
     python examples/train_char_lm.py --no-scaler       # float16 without loss scaling
@@ -16,6 +18,7 @@ scale over the run.
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
 import sys
 
@@ -63,6 +66,29 @@ def plot(history: char_lm.History, path: pathlib.Path, title: str) -> None:
     plt.close(figure)
 
 
+def _power_of_two(scale: float) -> str:
+    exponent = math.log2(scale)
+    return f"2**{exponent:.0f}" if exponent == int(exponent) else f"{scale:g}"
+
+
+def summary_table(config: char_lm.Config, history: char_lm.History, summary: dict) -> str:
+    """The run's figures as a markdown table: everything but the time, which varies."""
+    rows = [
+        ("configuration", config.label),
+        ("steps", f"{config.steps} of {config.batch_size}x{config.seq_len} characters"),
+        ("data-parallel devices", f"{config.devices}"),
+        ("train loss (last 50 steps)", f"{summary['train_loss']:.3f} nats/char"),
+        ("validation loss", f"{summary['val_loss']:.3f} nats/char"),
+        ("validation accuracy", f"{summary['val_accuracy']:.1%}"),
+        ("largest loss scale", _power_of_two(max(history.scale))),
+        ("loss scale at the end", _power_of_two(summary["final_scale"])),
+        ("skipped steps", f"{int(summary['skipped_steps'])}"),
+    ]
+    rows += [(f"step {step} skipped", origin) for step, origin in history.origins.items()]
+    lines = ["| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     defaults = char_lm.Config()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -77,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--no-locate", action="store_true",
                         help="skip jaxscale.locate_nonfinite (where each skipped step's inf "
                              "was born)")  # fmt: skip
-    parser.add_argument("--plot", type=pathlib.Path, default=pathlib.Path("char_lm_training.png"))
+    parser.add_argument("--plot", type=pathlib.Path, default=pathlib.Path("char_lm_training.png"),
+                        help="the plot; the summary table goes beside it, as .md")  # fmt: skip
     parser.add_argument("--sample", type=int, default=200, help="characters to generate at the end")
     args = parser.parse_args(argv)
 
@@ -116,6 +143,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(f"    step {step:4d}: {origin}")
     print(f"  training time        {summary['seconds']:.1f} s")
     print(f"  plot                 {args.plot}")
+    table = args.plot.with_suffix(".md")
+    table.write_text(summary_table(config, history, summary) + "\n")
+    print(f"  table                {table}")
     if args.sample:
         text = char_lm.sample(model, dataset, "The ", args.sample, config.seq_len)
         print("\nSample:\n" + text)

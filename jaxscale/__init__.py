@@ -21,8 +21,10 @@ from jaxscale.core import nonfinite_paths as nonfinite_paths
 from jaxscale.core import scale_outputs as scale_outputs
 from jaxscale.core import unscale_and_check as unscale_and_check
 from jaxscale.core import update_scale as update_scale
+from jaxscale.diagnosis import LoweringReport as LoweringReport
 from jaxscale.diagnosis import NonfiniteReport as NonfiniteReport
 from jaxscale.diagnosis import locate_nonfinite as locate_nonfinite
+from jaxscale.diagnosis import lowering_report as lowering_report
 from jaxscale.diagnosis import precision_stats as precision_stats
 from jaxscale.facade import GradScaler as GradScaler
 from jaxscale.facade import ScalerVariable as ScalerVariable
@@ -40,6 +42,7 @@ __version__ = "0.1.0"
 __all__ = [
     "GradScaler",
     "GradScalerState",
+    "LoweringReport",
     "NonfiniteReport",
     "ScaleWarning",
     "ScalerState",
@@ -56,6 +59,7 @@ __all__ = [
     "is_autocast_enabled",
     "last_overflow_origin",
     "locate_nonfinite",
+    "lowering_report",
     "metrics",
     "nonfinite_leaves",
     "nonfinite_paths",

@@ -31,11 +31,13 @@ import re  # noqa: E402
 import sys  # noqa: E402
 
 import pytest  # noqa: E402
+from support import paths  # noqa: E402
 
 WITHOUT_TORCH = os.environ.get("JAXSCALE_TESTS_WITHOUT_TORCH") == "1"
 _NEEDS_TORCH = re.compile(
-    r"^(import|from) "
-    r"(torch|torchao|torch_reference|torch_twins|torch_transformer|facade_drivers)\b",
+    r"^(?:(?:import|from) (?:torch|torchao)\b"
+    r"|from support(?:\.| import )"
+    r"(?:torch_reference|torch_twins|torch_transformer|facade_drivers)\b)",
     re.MULTILINE,
 )
 
@@ -61,7 +63,7 @@ def pytest_report_header(config):
         return None
     here = pathlib.Path(__file__).parent
     left_out = sorted(
-        path.name for path in here.glob("test_*.py") if _NEEDS_TORCH.search(path.read_text())
+        path.name for path in here.rglob("test_*.py") if _NEEDS_TORCH.search(path.read_text())
     )
     return (
         f"JAXSCALE_TESTS_WITHOUT_TORCH=1: {len(left_out)} modules comparing with PyTorch are "
@@ -72,7 +74,7 @@ def pytest_report_header(config):
 @pytest.fixture(scope="module")
 def char_lm():
     """The flagship example's module (``examples/char_lm.py``), importable for a test."""
-    examples = pathlib.Path(__file__).resolve().parent.parent / "examples"
+    examples = paths.EXAMPLES
     sys.path.insert(0, str(examples))
     try:
         import char_lm

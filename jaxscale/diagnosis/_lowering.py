@@ -1,0 +1,147 @@
+"""What an accelerator will run, read from a step lowered for it on any machine.
+
+What a jitted function does on a GPU is decided when JAX lowers it: ``jax.export``
+lowers for ``cuda``, ``rocm``, ``tpu`` or ``cpu`` on a machine without that device,
+and the StableHLO module lists every operation the accelerator will compile. This
+module counts, in that text, what makes a step wait for the host or run in a
+precision it should not.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+_DEFINITION = re.compile(r"^\s*(%[\w#:]+)\s*=\s*(\"?[\w.]+\"?)(.*)$")
+_TENSOR = re.compile(r"tensor<([^>]*)>")
+_HOST_OPS = ("stablehlo.send", "stablehlo.recv", "stablehlo.infeed", "stablehlo.outfeed")
+_PLATFORMS = ("cuda", "rocm", "tpu", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweringReport:
+    """What one lowered program contains.
+
+    Attributes:
+      loops: ``while`` loops. On a GPU each one reads its predicate back to the
+        host on every iteration.
+      data_conditionals: conditionals whose predicate is computed from data; each
+        one reads it back to the host. Conditionals on a constant (such as
+        ``lax.platform_dependent``'s platform index) are folded away by XLA and
+        counted in ``constant_conditionals`` instead.
+      constant_conditionals: conditionals on a constant.
+      host_transfers: host callbacks, sends and receives, infeed and outfeed.
+      array_converts: conversions of arrays (not scalars) between dtypes.
+      converted_elements: the elements those conversions touch.
+      matmul_dtypes: ``{"f16 x f16 -> f16": count, ...}`` over every
+        ``dot_general`` and convolution: operand dtypes and result dtype.
+    """
+
+    loops: int
+    data_conditionals: int
+    constant_conditionals: int
+    host_transfers: int
+    array_converts: int
+    converted_elements: int
+    matmul_dtypes: dict[str, int]
+
+    @property
+    def syncs_with_host(self) -> bool:
+        """Whether the program waits for the host: a loop, a conditional on data or a transfer."""
+        return bool(self.loops or self.data_conditionals or self.host_transfers)
+
+
+def lowering_report(fn: Callable[..., Any], *args: Any, platform: str = "cuda") -> LoweringReport:
+    """Lower ``jax.jit(fn)(*args)`` for ``platform`` and report what it will run.
+
+    No device of that platform is needed: ``jax.export`` lowers for it here. Use
+    it to check, on a laptop, that a train step will not wait for the host on a GPU
+    (no loops, no conditionals on data, no callbacks) and that its matmuls run in
+    the dtypes autocast chose.
+
+    Args:
+      fn: the function, jitted or not.
+      *args: its arguments (arrays, or ``jax.ShapeDtypeStruct`` for their shapes).
+      platform: ``"cuda"``, ``"rocm"``, ``"tpu"`` or ``"cpu"``.
+
+    >>> import jax, jax.numpy as jnp
+    >>> import jaxscale
+    >>> def step(w, x):
+    ...     return jax.grad(lambda w: jnp.sum(jnp.tanh(jaxscale.autocast(jnp.dot)(x, w))))(w)
+    >>> report = jaxscale.lowering_report(step, jnp.ones((8, 4)), jnp.ones((2, 8)))
+    >>> report.syncs_with_host, report.matmul_dtypes
+    (False, {'f16 x f16 -> f16': 2})
+    """
+    if not callable(fn):
+        raise TypeError(f"lowering_report expects a callable, got {type(fn).__name__} {fn!r}")
+    if platform not in _PLATFORMS:
+        raise ValueError(f"platform must be one of {', '.join(_PLATFORMS)}; got {platform!r}")
+    jitted: Any = fn if hasattr(fn, "trace") else jax.jit(fn)  # jax.export takes a jit
+    module = jax.export.export(jitted, platforms=[platform])(*args).mlir_module()
+    return analyse_stablehlo(module)
+
+
+def analyse_stablehlo(module: str) -> LoweringReport:
+    """Count what :class:`LoweringReport` holds in a StableHLO module's text."""
+    constants: set[str] = set()
+    loops = data_cases = constant_cases = host = converts = converted = 0
+    matmuls: collections.Counter[str] = collections.Counter()
+    lines = module.splitlines()
+    for number, line in enumerate(lines):
+        match = _DEFINITION.match(line)
+        if match:
+            name, op = match.group(1).split(":")[0], match.group(2).strip('"')
+            if op == "stablehlo.constant" or (
+                op == "stablehlo.case" and _is_constant_case(lines, number, constants)
+            ):
+                constants.add(name)
+        if "stablehlo.while" in line:
+            loops += 1
+        if '"stablehlo.case"' in line or '"stablehlo.if"' in line or "stablehlo.if " in line:
+            operand = re.search(r"\((%[\w#]+)\)", line)
+            if operand and operand.group(1) in constants:
+                constant_cases += 1
+            else:
+                data_cases += 1
+        if any(op in line for op in _HOST_OPS) or (
+            "custom_call" in line and "callback" in line.lower()
+        ):
+            host += 1
+        if "stablehlo.convert" in line:
+            tensors = _TENSOR.findall(line)
+            if tensors and _elements(tensors[0]) > 1:
+                converts += 1
+                converted += _elements(tensors[0])
+        if "stablehlo.dot_general" in line or "stablehlo.convolution" in line:
+            tensors = _TENSOR.findall(line)
+            if tensors:
+                kinds = [t.split("x")[-1] for t in tensors]
+                matmuls[" x ".join(kinds[:2]) + " -> " + kinds[-1]] += 1
+    return LoweringReport(
+        loops, data_cases, constant_cases, host, converts, converted, dict(matmuls)
+    )
+
+
+def _elements(tensor: str) -> int:
+    dims = [d for d in tensor.split("x")[:-1] if d]
+    return math.prod(int(d) for d in dims) if dims else 1
+
+
+def _is_constant_case(lines: list[str], start: int, constants: set[str]) -> bool:
+    """A case on a constant whose every branch returns a constant is itself a constant."""
+    operand = re.search(r"\((%[\w#]+)\)", lines[start])
+    if not operand or operand.group(1) not in constants:
+        return False
+    returns = []
+    for line in lines[start:]:
+        if "stablehlo.return" in line:
+            returns += re.findall(r"(%[\w#]+)", line.split("stablehlo.return", 1)[1])
+        if line.strip().startswith("}) :"):
+            break
+    return bool(returns) and all(r in constants for r in returns)

@@ -1,0 +1,391 @@
+"""jaxscale.autocast reaches inside every higher-order primitive, differentiates, and
+leaves NNX state, integers and parameters as they would be without it."""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import lax
+from jax.extend import core as jex
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from support import third_party
+
+import jaxscale
+
+F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
+W = jnp.asarray(np.random.default_rng(0).uniform(-0.3, 0.3, (4, 4)), F32)
+X = jnp.asarray(np.random.default_rng(1).uniform(-1, 1, (3, 4)), F32)
+
+
+def matmul_dtypes(jaxpr) -> collections.Counter:
+    """(input dtypes..., output dtype) of every dot_general and convolution, inner jaxprs too."""
+    found: collections.Counter = collections.Counter()
+
+    def walk(inner):
+        for eqn in inner.eqns:
+            if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+                found[tuple(str(v.aval.dtype) for v in [*eqn.invars, *eqn.outvars])] += 1
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else [param]:
+                    if isinstance(sub, jex.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jex.Jaxpr):
+                        walk(sub)
+
+    walk(jaxpr.jaxpr)
+    return found
+
+
+def all_in(dtype, counter):
+    return bool(counter) and set(counter) == {(dtype, dtype, dtype)}
+
+
+@jax.custom_jvp
+def tanh_layer(x, w):
+    return jnp.tanh(x @ w)
+
+
+@tanh_layer.defjvp
+def _tanh_layer_jvp(primals, tangents):
+    x, w = primals
+    out = tanh_layer(x, w)
+    return out, (1 - out**2) * (tangents[0] @ w + x @ tangents[1])
+
+
+@jax.custom_vjp
+def doubled_grad_matmul(x, w):
+    return x @ w
+
+
+def _doubled_fwd(x, w):
+    return x @ w, (x, w)
+
+
+def _doubled_bwd(saved, g):
+    x, w = saved
+    return 2 * (g @ w.T), 2 * (x.T @ g)  # twice the true gradient: the rule must be used
+
+
+doubled_grad_matmul.defvjp(_doubled_fwd, _doubled_bwd)
+
+HIGHER_ORDER = {
+    "nested jit": lambda w, x: jax.jit(lambda a, b: jnp.sin(a @ b))(x, w),
+    "scan": lambda w, x: lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None, length=3)[0],
+    "fori_loop (static)": lambda w, x: lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c @ w), x),
+    "cond": lambda w, x: lax.cond(jnp.sum(x) > 0, lambda a: a @ w, lambda a: -(a @ w), x),
+    "switch": lambda w, x: lax.switch(1, [lambda a: a @ w, lambda a: jnp.sin(a @ w)], x),
+    "checkpoint": lambda w, x: jax.checkpoint(lambda a: jnp.sin(a @ w))(x),
+    "custom_jvp (jax.nn.relu)": lambda w, x: jax.nn.relu(x @ w),
+    "custom_jvp (user rule)": lambda w, x: tanh_layer(x, w),
+    "custom_vjp (user rule)": lambda w, x: doubled_grad_matmul(x, w),
+    "vmap": lambda w, x: jax.vmap(lambda row: jnp.tanh(row @ w))(x),
+}
+
+
+def loss_of(fn):
+    return lambda w, x: jnp.sum(jnp.asarray(fn(w, x), F32) ** 2)
+
+
+@pytest.mark.parametrize("name", list(HIGHER_ORDER))
+def test_every_matmul_inside_runs_in_float16_forward_and_backward(name):
+    fn = HIGHER_ORDER[name]
+    forward = jax.make_jaxpr(jaxscale.autocast(fn))(W, X)
+    assert all_in("float16", matmul_dtypes(forward)), matmul_dtypes(forward)
+    backward = jax.make_jaxpr(jax.grad(jaxscale.autocast(loss_of(fn))))(W, X)
+    assert all_in("float16", matmul_dtypes(backward)), matmul_dtypes(backward)
+    # the same values as without autocast, to float16 accuracy
+    np.testing.assert_allclose(
+        np.asarray(jaxscale.autocast(fn)(W, X), np.float32), fn(W, X), rtol=2e-2, atol=2e-2
+    )
+    grad = jax.grad(jaxscale.autocast(loss_of(fn)))(W, X)
+    assert grad.dtype == F32  # the parameter's dtype
+    np.testing.assert_allclose(grad, jax.grad(loss_of(fn))(W, X), rtol=5e-2, atol=5e-2)
+
+
+def test_while_loop_with_a_dynamic_trip_count():
+    def fn(w, x):
+        return lax.while_loop(lambda c: jnp.max(jnp.abs(c)) < 8.0, lambda c: 2.0 * (c @ w), x + 1)
+
+    w = jnp.eye(4)
+    jaxpr = jax.make_jaxpr(jaxscale.autocast(fn))(w, X)
+    assert all_in("float16", matmul_dtypes(jaxpr))
+    out = jaxscale.autocast(fn)(w, X)
+    assert out.dtype == F32  # the carry keeps the type the loop was traced with
+    np.testing.assert_allclose(out, fn(w, X), rtol=1e-2)
+
+
+def test_the_user_custom_vjp_rule_is_used_for_the_backward_pass():
+    fn = HIGHER_ORDER["custom_vjp (user rule)"]
+    grad = jax.grad(jaxscale.autocast(loss_of(fn)))(W, X)
+    true_grad = jax.grad(lambda w, x: jnp.sum((x @ w) ** 2))(W, X)
+    np.testing.assert_allclose(grad, 2 * true_grad, rtol=2e-2, atol=2e-2)
+
+
+def test_shard_map_body_is_cast():
+    mesh = jax.make_mesh((4,), ("d",))
+    x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("d")))
+    fn = jax.shard_map(
+        lambda a, w: lax.psum(jnp.sum(a @ w), "d"),
+        mesh=mesh,
+        in_specs=(P("d"), P()),
+        out_specs=P(),
+    )
+    jaxpr = jax.make_jaxpr(jaxscale.autocast(fn))(x, W)
+    assert all_in("float16", matmul_dtypes(jaxpr))
+    np.testing.assert_allclose(jaxscale.autocast(fn)(x, W), fn(x, W), rtol=1e-2)
+    with jax.set_mesh(mesh):
+        grad = jax.grad(lambda w: jaxscale.autocast(fn)(x, w))(W)
+    assert grad.dtype == F32
+
+
+def test_scan_carries_keep_their_traced_dtype():
+    def fn(w, x):
+        return lax.scan(lambda c, _: (c @ w, c @ w), x, None, length=2)
+
+    carry, ys = jaxscale.autocast(fn)(W, X)
+    assert carry.dtype == F32  # the loop needs its carry's type on every iteration
+    assert ys.dtype == F16  # per-iteration outputs are what the body made
+
+
+# -- nnx: modules, scan over layers, remat, state --------------------------------------
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.norm = nnx.LayerNorm(4, rngs=rngs)
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jax.nn.gelu(self.linear(self.norm(x)))
+
+
+def test_nnx_scan_over_layers_and_nnx_remat():
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def stack(key):
+        return Block(nnx.Rngs(key))
+
+    blocks = stack(jax.random.split(jax.random.key(0), 3))
+
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def run(block, x):
+        return nnx.remat(lambda b, y: b(y))(block, x)
+
+    with third_party.standard_promotion():
+        jaxpr = jax.make_jaxpr(jaxscale.autocast(run))(blocks, X)
+        out = jaxscale.autocast(run)(blocks, X)
+        reference = run(blocks, X)
+    assert all_in("float16", matmul_dtypes(jaxpr))
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, reference, rtol=2e-2, atol=2e-2)
+
+
+class Stateful(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+        self.norm = nnx.BatchNorm(4, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.norm(self.linear(x)))
+
+
+def values(module):
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(module)):
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        out[jax.tree_util.keystr(path)] = np.asarray(leaf)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["eager", "nnx.jit"])
+def test_nnx_state_written_during_the_call_lands_in_the_module(mode):
+    plain, cast = Stateful(nnx.Rngs(0)), Stateful(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (16, 4))
+
+    def call(model, x):
+        return model(x)
+
+    run_cast = jaxscale.autocast(call)
+    if mode == "nnx.jit":
+        call, run_cast = nnx.jit(call), nnx.jit(run_cast)
+    with third_party.standard_promotion(), jax.check_tracer_leaks():
+        for _ in range(2):
+            call(plain, x)
+            run_cast(cast, x)
+    expected, got = values(plain), values(cast)
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert got[key].dtype == expected[key].dtype, key  # in the module's own dtype
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-2, atol=1e-3, err_msg=key)
+    assert not np.array_equal(got["['norm']['mean'].value"], np.zeros(4))  # statistics moved
+    assert got["['drop']['rngs']['count'].value"] == 2  # the RNG counter advanced twice
+
+
+def test_a_module_a_bound_method_and_a_decorated_method():
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    assert jaxscale.autocast(model)(X).dtype == F16
+    assert jaxscale.autocast(model.__call__)(X).dtype == F16
+
+    class Head(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+
+        @jaxscale.autocast
+        def __call__(self, x):
+            return self.linear(x)
+
+        @jaxscale.autocast(dtype=BF16)
+        def logits(self, x):
+            return self.linear(x)
+
+    head = Head()
+    assert head(X).dtype == F16
+    assert head.logits(X).dtype == BF16
+    grads = nnx.grad(lambda m: jnp.sum(m(X).astype(F32)))(head)
+    assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {np.dtype(F32)}
+
+
+# -- nesting, jit, eager ---------------------------------------------------------------
+
+
+def test_a_nested_disabled_region_runs_as_written():
+    def inner(w, x):
+        return jnp.tanh(x @ w)
+
+    def outer(w, x):
+        return jaxscale.autocast(inner, enabled=False)(w, x) + (x @ w).astype(F32)
+
+    counts = matmul_dtypes(jax.make_jaxpr(jaxscale.autocast(outer))(W, X))
+    assert counts == {("float32", "float32", "float32"): 1, ("float16", "float16", "float16"): 1}
+
+
+def test_a_nested_region_with_another_dtype_keeps_its_own():
+    def outer(w, x):
+        inner = jaxscale.autocast(lambda w, x: x @ w, dtype=BF16)(w, x)
+        return inner.astype(F32) + (x @ w).astype(F32)
+
+    counts = matmul_dtypes(jax.make_jaxpr(jaxscale.autocast(outer))(W, X))
+    assert counts == {("bfloat16",) * 3: 1, ("float16",) * 3: 1}
+
+
+def test_an_unknown_higher_order_primitive_raises_naming_it():
+    @jax.custom_batching.custom_vmap
+    def halve(a, b):
+        return (a @ b) / 2.0
+
+    @halve.def_vmap
+    def _halve_vmap(axis_size, in_batched, a, b):
+        return halve(a, b), True
+
+    with pytest.raises(NotImplementedError, match="'custom_vmap_call'"):
+        jaxscale.autocast(halve)(2.0 * jnp.eye(2), jnp.ones(2))
+    # the remedy the message names: a disabled region inside
+    fine = jaxscale.autocast(lambda a, b: jaxscale.autocast(halve, enabled=False)(a, b))
+    np.testing.assert_allclose(fine(2.0 * jnp.eye(2), jnp.ones(2)), [1.0, 1.0])
+
+
+def test_under_jit_it_is_traced_once_and_eager_agrees():
+    traces = []
+
+    @jax.jit
+    def step(w, x):
+        traces.append(1)
+        return jaxscale.autocast(lambda w, x: jnp.sum(jnp.tanh(x @ w)))(w, x)
+
+    first, second = step(W, X), step(2 * W, X)
+    assert len(traces) == 1
+    eager = jaxscale.autocast(lambda w, x: jnp.sum(jnp.tanh(x @ w)))(2 * W, X)
+    np.testing.assert_allclose(eager, second, rtol=1e-6)
+    assert first.dtype == F32
+
+
+def test_the_rewrite_adds_nothing_beyond_the_casts_a_hand_cast_version_has():
+    def model(w, x):
+        return jnp.sum(jnp.tanh(x @ w) @ w)
+
+    def by_hand(w, x):
+        w16 = w.astype(F16)
+        h = jnp.tanh(x.astype(F16) @ w16)
+        return jnp.sum((h @ w16).astype(F32))
+
+    def ops(fn):
+        hlo = jax.jit(fn).lower(W, X).compile().as_text()
+        return collections.Counter(re.findall(r"= \w+\[[^\]]*\]\{?[^ ]* (\w+)\(", hlo))
+
+    assert ops(by_hand)["dot"] == 2
+    assert ops(jaxscale.autocast(model)) == ops(by_hand)
+
+
+def test_disabled_at_the_top_is_the_function_itself():
+    fn = jaxscale.autocast(lambda w, x: x @ w, enabled=False)
+    assert fn(W, X).dtype == F32
+
+
+@pytest.mark.parametrize(
+    ("dtype", "error", "message"),
+    [
+        (jnp.float32, ValueError, "autocast dtype must be float16 or bfloat16, got float32"),
+        ("float64", ValueError, "autocast dtype must be float16 or bfloat16, got float64"),
+        (jnp.int8, ValueError, "autocast dtype must be float16 or bfloat16, got int8"),
+        (3.5, TypeError, "autocast dtype must be jnp.float16 or jnp.bfloat16, got 3.5"),
+    ],
+)
+def test_a_bad_dtype_raises_at_once(dtype, error, message):
+    with pytest.raises(error, match="^" + re.escape(message) + "$"):
+        jaxscale.autocast(lambda x: x, dtype=dtype)
+    with pytest.raises(error, match="^" + re.escape(message) + "$"):
+        jaxscale.autocast(dtype=dtype)
+
+
+def test_strings_and_numpy_dtypes_are_accepted():
+    assert jaxscale.autocast(lambda a: a @ a, dtype="bfloat16")(W).dtype == BF16
+    assert jaxscale.autocast(lambda a: a @ a, dtype=np.dtype("float16"))(W).dtype == F16
+
+
+def test_other_bad_arguments_raise():
+    with pytest.raises(TypeError, match=r"^autocast expects a callable, got int 3$"):
+        jaxscale.autocast(3)
+    with pytest.raises(TypeError, match=r"^enabled must be a bool, got str 'yes'$"):
+        jaxscale.autocast(lambda x: x, enabled="yes")
+
+
+def test_the_wrapper_keeps_the_function_name_and_docstring():
+    def loss_fn(x):
+        """The loss."""
+        return x
+
+    wrapped = jaxscale.autocast(loss_fn)
+    assert (wrapped.__name__, wrapped.__doc__) == ("loss_fn", "The loss.")
+
+
+def _scoped_matmul(w, x):
+    with jax.named_scope("attention_block"):
+        y = x @ w  # the line every re-bound operation of this matmul names
+    return jnp.tanh(y)
+
+
+def test_re_bound_operations_keep_the_users_line_and_named_scope():
+    from jax.extend import source_info_util
+
+    line = _scoped_matmul.__code__.co_firstlineno + 2
+    jaxpr = jax.make_jaxpr(jaxscale.autocast(_scoped_matmul))(W, X)
+    casts_and_dot = [
+        e for e in jaxpr.jaxpr.eqns if e.primitive.name in ("convert_element_type", "dot_general")
+    ][:3]
+    assert [e.primitive.name for e in casts_and_dot][-1] == "dot_general"
+    for eqn in casts_and_dot:
+        assert f"test_autocast.py:{line}" in source_info_util.summarize(eqn.source_info)
+        assert "attention_block" in str(eqn.source_info.name_stack)
+    # and in the compiled program's metadata, where profilers and XLA's errors read them
+    hlo = jax.jit(jaxscale.autocast(_scoped_matmul)).lower(W, X).as_text(debug_info=True)
+    dot_lines = [text for text in hlo.splitlines() if "dot_general" in text]
+    assert any("attention_block" in text for text in dot_lines)
+    assert f'test_autocast.py":{line}' in hlo

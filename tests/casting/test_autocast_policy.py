@@ -1,0 +1,401 @@
+"""jaxscale.autocast gives each op the dtype PyTorch's CUDA autocast documents for it.
+
+PyTorch's AMP docs list "CUDA ops that can autocast to float16", "... to float32"
+and "... that promote to the widest input type"; every other op runs in its
+inputs' type. For every op of those lists that JAX has, the output dtype under
+``jaxscale.autocast`` is checked against the documented one.
+
+Inputs are float32, as parameters and data are. The float32 and promote rows
+take the output of a matmul (``x @ I``, float16 under autocast), as activations
+reach them in a model, so each row shows the cast that autocast makes.
+"""
+
+from __future__ import annotations
+
+import flax.linen
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax import lax
+from support import third_party
+
+import jaxscale
+from jaxscale.casting import AS_TRACED, CPU_POLICY, POLICY, UNSUPPORTED_HIGHER_ORDER, Precision
+from jaxscale.casting._policy import VERSION_SPECIFIC
+
+F16, BF16, F32, F64 = jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64
+RNG = np.random.default_rng(0)
+
+
+def arr(*shape, dtype=F32, low=0.1, high=0.9):
+    return jnp.asarray(RNG.uniform(low, high, shape), dtype)
+
+
+A, B = arr(4, 4), arr(4, 4)
+EYE = jnp.eye(4)
+
+
+H = arr(4, 4)  # an activation: rows using it receive it through a matmul
+
+
+def on_activations(fn, inputs):
+    """``fn`` with each ``H`` among ``inputs`` reaching it through a matmul (float16)."""
+    positions = {i for i, x in enumerate(inputs) if x is H}
+    return lambda *xs: fn(*(x @ EYE if i in positions else x for i, x in enumerate(xs)))
+
+
+IMAGE, KERNEL = arr(1, 3, 8, 8), arr(2, 3, 3, 3)
+
+# (PyTorch op, function, inputs, dtype PyTorch's CUDA autocast gives)
+LOWER_PRECISION = [
+    ("matmul / @ / mm", lambda a, b: a @ b, (A, B), F16),
+    ("bmm", lambda a, b: jnp.matmul(a, b), (arr(2, 4, 4), arr(2, 4, 4)), F16),
+    ("mv", lambda a, b: a @ b, (A, arr(4)), F16),
+    ("einsum", lambda a, b: jnp.einsum("ij,jk->ik", a, b), (A, B), F16),
+    ("addmm", lambda c, a, b: c + a @ b, (arr(4), A, B), F16),
+    ("baddbmm", lambda c, a, b: c + jnp.matmul(a, b), (arr(4), arr(2, 4, 4), arr(2, 4, 4)), F16),
+    ("addmv", lambda c, a, b: c + a @ b, (arr(1), A, arr(4)), F16),
+    ("conv2d", lambda x, k: lax.conv(x, k, (1, 1), "SAME"), (IMAGE, KERNEL), F16),
+    ("conv_transpose2d", lambda x, k: lax.conv_transpose(x, k, (1, 1), "SAME",
+        dimension_numbers=("NCHW", "IOHW", "NCHW")), (IMAGE, arr(3, 2, 3, 3)), F16),
+    ("linear (nnx.Linear with bias)", lambda x: nnx.Linear(4, 3, rngs=nnx.Rngs(0))(x), (A,), F16),
+    ("conv (nnx.Conv with bias)",
+     lambda x: nnx.Conv(3, 2, (3, 3), rngs=nnx.Rngs(0))(x), (arr(1, 8, 8, 3),), F16),
+    ("nnx.Einsum with bias",
+     lambda x: nnx.Einsum("ab,bc->ac", (4, 3), (3,), rngs=nnx.Rngs(0))(x), (A,), F16),
+    # the bias still belongs to the matmul when its output is permuted or reshaped first
+    ("linear, transposed before its bias", lambda x, w, b: (x @ w).T + b[:, None],
+     (A, B, arr(4)), F16),
+    ("linear, reshaped before its bias", lambda x, w, b: (x @ w).reshape(2, 8) + b,
+     (A, B, arr(8)), F16),
+    ("einsum to a permuted layout, then its bias",
+     lambda x, w, b: jnp.einsum("bij,jk->kbi", x, w) + b[:, None, None],
+     (arr(2, 3, 4), B, arr(4)), F16),
+]  # fmt: skip
+
+FLOAT32 = [
+    ("exp", jnp.exp, (H,), F32),
+    ("expm1", jnp.expm1, (H,), F32),
+    ("log", jnp.log, (H,), F32),
+    ("log10", jnp.log10, (H,), F32),
+    ("log2", jnp.log2, (H,), F32),
+    ("log1p", jnp.log1p, (H,), F32),
+    ("pow (tensor exponent)", jnp.power, (H, H), F32),
+    ("__pow__ (float exponent)", lambda x: x**2.5, (H,), F32),
+    ("__pow__ (integer exponent)", lambda x: x**3, (H,), F32),
+    ("__rpow__", lambda x: 2.0**x, (H,), F32),
+    ("__rdiv__ / __rtruediv__", lambda x: 1.0 / x, (H,), F32),
+    ("reciprocal", jnp.reciprocal, (H,), F32),
+    ("rsqrt", lax.rsqrt, (H,), F32),
+    ("sum", jnp.sum, (H,), F32),
+    ("prod", jnp.prod, (H,), F32),
+    ("cumsum", lambda x: jnp.cumsum(x, axis=0), (H,), F32),
+    ("cumprod", lambda x: jnp.cumprod(x, axis=0), (H,), F32),
+    ("erfinv", lambda x: jax.scipy.special.erfinv(x), (H,), F32),
+    ("tan", jnp.tan, (H,), F32),
+    ("sinh", jnp.sinh, (H,), F32),
+    ("cosh", jnp.cosh, (H,), F32),
+    ("asin", jnp.arcsin, (H,), F32),
+    ("acos", jnp.arccos, (H,), F32),
+    ("softmax", jax.nn.softmax, (H,), F32),
+    ("log_softmax", jax.nn.log_softmax, (H,), F32),
+    ("softmin", lambda x: jax.nn.softmax(-x), (H,), F32),
+    ("softplus", jax.nn.softplus, (H,), F32),
+    ("layer_norm", lambda x: nnx.LayerNorm(4, rngs=nnx.Rngs(0))(x), (H,), F32),
+    ("group_norm", lambda x: nnx.GroupNorm(4, num_groups=2, rngs=nnx.Rngs(0))(x), (H,), F32),
+    ("norm", jnp.linalg.norm, (H,), F32),
+    ("normalize", lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True), (H,), F32),
+    ("cross_entropy", lambda x: optax.softmax_cross_entropy_with_integer_labels(
+        x, jnp.arange(4)).mean(), (H,), F32),
+    ("nll_loss", lambda x: -jnp.mean(jax.nn.log_softmax(x)[jnp.arange(4), jnp.arange(4)]),
+     (H,), F32),
+    ("mse_loss", lambda x, y: jnp.mean((x - y) ** 2), (H, H), F32),
+    ("l1_loss", lambda x, y: jnp.mean(jnp.abs(x - y)), (H, H), F32),
+    ("smooth_l1_loss", lambda x, y: jnp.mean(optax.huber_loss(x, y)), (H, H), F32),
+    ("kl_div", lambda x, y: jnp.sum(optax.kl_divergence(jax.nn.log_softmax(x), y)), (H, H), F32),
+    ("binary_cross_entropy_with_logits",
+     lambda x, y: jnp.mean(optax.sigmoid_binary_cross_entropy(x, y)), (H, H), F32),
+    ("cosine_similarity", lambda x, y: optax.cosine_similarity(x, y), (H, H), F32),
+    ("cdist", lambda x, y: jnp.sqrt(jnp.sum((x[:, None] - y[None]) ** 2, -1)), (H, H), F32),
+    ("logsumexp", jax.scipy.special.logsumexp, (H,), F32),
+]  # fmt: skip
+
+WIDEST = [
+    ("add (float16 + float32)", lambda x, y: x + y * 1.0, (H, A), F32),
+    ("addcmul", lambda c, a, b: c + 0.5 * a * b, (H, A, H), F32),
+    ("addcdiv", lambda c, a, b: c + 0.5 * a / b, (H, A, H), F32),
+    ("atan2", jnp.arctan2, (H, A), F32),
+    ("cross", lambda a, b: jnp.cross(a[:, :3], b[:, :3]), (H, A), F32),
+    ("index_put / scatter_add", lambda a, b: a.at[0].add(b[0]), (A, H), F32),
+    ("cat", lambda a, b: jnp.concatenate([a, b]), (H, A), F32),
+    ("where", lambda a, b: jnp.where(a > 0.5, a, b), (H, A), F32),
+    ("float16 alone stays float16 (relu)", jax.nn.relu, (H,), F16),
+    ("float16 alone stays float16 (tanh)", jnp.tanh, (H,), F16),
+    ("float16 alone stays float16 (sigmoid)", jax.nn.sigmoid, (H,), F16),
+    ("float16 * Python scalar stays float16", lambda x: x * 3.0 - 1.0, (H,), F16),
+    ("float16 + 0-d float32 stays float16", lambda x, s: x * s, (H, jnp.float32(2.0)), F16),
+    ("masked_fill with -1e4", lambda x: jnp.where(x > 0.5, x, -1e4), (H,), F16),
+    ("max / argmax keep dtypes", lambda x: (jnp.max(x), jnp.argmax(x)), (H,), F16),
+]  # fmt: skip
+
+
+def _dtype_of(output):
+    leaves = jax.tree.leaves(output)
+    return leaves[0].dtype
+
+
+CASES = [(*row, False) for row in LOWER_PRECISION] + [(*row, True) for row in FLOAT32 + WIDEST]
+
+
+@pytest.mark.parametrize(
+    ("op", "fn", "inputs", "expected", "activations"), CASES, ids=[row[0] for row in CASES]
+)
+def test_output_dtype_is_pytorchs_cuda_autocast_dtype(op, fn, inputs, expected, activations):
+    if activations:
+        fn = on_activations(fn, inputs)
+    with third_party.standard_promotion():  # user code: JAX's default promotion
+        out = jaxscale.autocast(fn)(*inputs)
+        plain = fn(*inputs)
+    assert _dtype_of(out) == expected, op
+    # and the value is the function's own, to float16 accuracy
+    reference = np.asarray(_dtype_of_leaf(plain), np.float64)
+    got = np.asarray(_dtype_of_leaf(out), np.float64)
+    np.testing.assert_allclose(got, reference, rtol=2e-2, atol=2e-2, err_msg=op)
+
+
+BIG = arr(4, 16, low=300.0, high=1000.0)  # fits float16; its squares (up to 1e6) do not
+BIG_CASES = {
+    "nnx.LayerNorm": lambda x: nnx.LayerNorm(16, rngs=nnx.Rngs(0))(x),
+    "nnx.LayerNorm (fast variance off)": lambda x: nnx.LayerNorm(
+        16, use_fast_variance=False, rngs=nnx.Rngs(0)
+    )(x),
+    "nnx.GroupNorm": lambda x: nnx.GroupNorm(16, num_groups=4, rngs=nnx.Rngs(0))(x),
+    "nnx.RMSNorm": lambda x: nnx.RMSNorm(16, rngs=nnx.Rngs(0))(x),
+    "linen LayerNorm": lambda x: flax.linen.LayerNorm().apply({"params": {
+        "scale": jnp.ones(16), "bias": jnp.zeros(16)}}, x),
+    "l2 normalize": lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True),
+    "softmax of large logits": jax.nn.softmax,
+    "cross entropy of large logits": lambda x: optax.softmax_cross_entropy_with_integer_labels(
+        x, jnp.arange(4)).mean(),
+    "mse of large errors": lambda x: jnp.mean((x - 1.0) ** 2),
+    "sum past float16's range": jnp.sum,
+    "variance": jnp.var,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(BIG_CASES))
+def test_float32_ops_hold_activations_whose_squares_overflow_float16(name):
+    # Norms square their input (lax.square, integer_pow): under float16 autocast an
+    # activation of 300 squares to 9e4 > 65504, so those ops must run in float32
+    def fn(x):
+        return BIG_CASES[name](x @ jnp.eye(16))  # the activation comes out of a matmul
+
+    assert jax.eval_shape(jaxscale.autocast(lambda x: x @ jnp.eye(16)), BIG).dtype == F16
+    with third_party.standard_promotion():
+        out = np.asarray(jaxscale.autocast(fn)(BIG), np.float64)
+        plain = np.asarray(fn(BIG), np.float64)
+    assert np.all(np.isfinite(out)), name
+    np.testing.assert_allclose(out, plain, rtol=2e-2, atol=2e-2, err_msg=name)
+
+
+def test_a_float16_input_keeps_the_casts_jax_wrote_for_it():
+    # jnp.sum of a float16 array accumulates in float32 and casts back to float16:
+    # that cast is in the traced program, and autocast keeps casts as written
+    # (PyTorch's torch.sum of a float16 tensor under autocast returns float32)
+    assert jaxscale.autocast(jnp.sum)(jnp.ones(4, F16)).dtype == F16
+
+
+def _dtype_of_leaf(output):
+    return jax.tree.leaves(output)[0].astype(F32)
+
+
+def test_bfloat16_autocast_puts_matmuls_in_bfloat16_and_keeps_float32_ops():
+    fn = jaxscale.autocast(lambda a, b: (a @ b, jnp.exp(a @ b), jnp.sum(a @ b)), dtype=BF16)
+    mm, ex, total = fn(A, B)
+    assert (mm.dtype, ex.dtype, total.dtype) == (BF16, F32, F32)
+
+
+def test_float64_is_left_alone_as_pytorch_does():
+    with jax.enable_x64(True):
+        a = jnp.ones((2, 2), F64)
+        mm, ex = jaxscale.autocast(lambda a: (a @ a, jnp.exp(a)))(a)
+    assert (mm.dtype, ex.dtype) == (F64, F64)
+
+
+def test_integers_booleans_and_keys_are_never_touched():
+    def fn(x, ids, mask, key):
+        noise = jax.random.normal(key, x.shape)
+        return x @ x + noise, ids * 2, mask & True, jnp.take(x, ids, axis=0), key
+
+    key = jax.random.key(0)
+    out = jaxscale.autocast(fn)(A, jnp.arange(4), jnp.ones(4, bool), key)
+    assert [o.dtype for o in out[1:3]] == [jnp.int32, jnp.bool_]
+    assert out[0].dtype == F32  # a float32 array (noise) widens the float16 product
+    assert out[3].dtype == F32  # gather: the table's own dtype, as PyTorch's embedding
+    assert jax.random.key_data(out[4]).tolist() == jax.random.key_data(key).tolist()
+
+
+def test_the_table_names_a_pytorch_op_for_every_row_and_covers_the_lists():
+    assert {name for name, row in POLICY.items() if row.precision is Precision.LOWER} == {
+        "dot_general",
+        "conv_general_dilated",
+    }
+    float32 = {name for name, row in POLICY.items() if row.precision is Precision.FLOAT32}
+    assert {
+        "exp",
+        "log",
+        "log1p",
+        "expm1",
+        "pow",
+        "integer_pow",
+        "rsqrt",
+        "reduce_sum",
+        "reduce_prod",
+        "cumsum",
+        "cumprod",
+        "erf_inv",
+        "tan",
+        "sinh",
+        "cosh",
+        "asin",
+        "acos",
+    } <= float32
+    assert all(row.torch_ops for row in POLICY.values())
+
+
+def test_the_cpu_table_moves_what_pytorchs_cpu_lists_move_and_keeps_the_rest():
+    lower = {name for name, row in CPU_POLICY.items() if row.precision is Precision.LOWER}
+    assert lower == {"dot_general", "conv_general_dilated"}
+    float32 = {name for name, row in CPU_POLICY.items() if row.precision is Precision.FLOAT32}
+    assert float32 == {
+        "reduce_prod", "fft", "cholesky", "eig", "eigh", "lu", "geqrf", "householder_product",
+        "ormqr", "qr", "svd", "triangular_solve",
+    }  # fmt: skip
+    changed = {name for name in POLICY if CPU_POLICY[name].precision != POLICY[name].precision}
+    assert changed == {
+        "exp", "exp2", "expm1", "log", "log2", "log1p", "pow", "integer_pow", "square", "rsqrt",
+        "reduce_sum", "cumsum", "cumprod", "cumlogsumexp", "erf_inv", "tan", "sinh", "cosh",
+        "asin", "acos", "div",
+    }  # fmt: skip
+    assert all(row.torch_ops for row in CPU_POLICY.values())
+    assert set(CPU_POLICY) - set(POLICY) <= set(AS_TRACED)  # linear algebra and fft
+
+
+def test_an_unlisted_primitive_runs_exactly_as_traced():
+    # bitcast_convert_type is in no row: its input returns to the traced float32
+    fn = jaxscale.autocast(lambda a: lax.bitcast_convert_type(jnp.tanh(a @ a), jnp.int32))
+    assert fn(A).dtype == jnp.int32
+    assert fn(A).shape == (4, 4)
+
+
+# -- every primitive of the running JAX has a decision -------------------------------------------
+
+_LIST_PRIMITIVES = """
+import sys
+import jax, jax.numpy, jax.nn, jax.scipy.special, jax.scipy.linalg, jax.random, jax.lax
+import jax.experimental, jax.ad_checkpoint, jax.custom_derivatives, jax.experimental.shard_map
+from jax._src import core
+names = set()
+for module in list(sys.modules.values()):
+    if getattr(module, "__name__", "").startswith("jax"):
+        for value in list(vars(module).values()):
+            if isinstance(value, core.Primitive):
+                names.add(value.name)
+print(" ".join(sorted(names)))
+"""
+
+
+@pytest.fixture(scope="module")
+def running_jax_primitives():
+    import subprocess
+    import sys
+
+    # a fresh interpreter with a fixed set of imports: what is loaded here depends on
+    # which tests this worker ran before
+    result = subprocess.run(
+        [sys.executable, "-c", _LIST_PRIMITIVES], capture_output=True, text=True, check=True
+    )
+    names = set(result.stdout.split())
+    assert len(names) > 200
+    return names
+
+
+def _decided():
+    from jaxscale.casting._interpreter import _OPAQUE_WITH_JAXPR, HIGHER_ORDER
+
+    return {
+        "policy row": set(POLICY),
+        "CPU policy row": set(CPU_POLICY),
+        "higher-order rule": set(HIGHER_ORDER),
+        "first-order with its own update jaxpr": set(_OPAQUE_WITH_JAXPR),
+        "as traced on purpose": set(AS_TRACED),
+        "refused higher-order": set(UNSUPPORTED_HIGHER_ORDER),
+    }
+
+
+def test_every_primitive_of_the_running_jax_has_a_decision(running_jax_primitives):
+    decided = set().union(*_decided().values())
+    assert running_jax_primitives - decided == set()
+
+
+def test_every_primitive_name_jaxscale_lists_exists_in_the_running_jax(running_jax_primitives):
+    for where, names in _decided().items():
+        missing = names - running_jax_primitives - set(VERSION_SPECIFIC)
+        assert missing == set(), where
+
+
+def test_no_primitive_is_decided_twice():
+    # (the CPU table is the CUDA table with rows changed: a second view of the same names)
+    groups = [names for where, names in _decided().items() if where != "CPU policy row"]
+    for i, first in enumerate(groups):
+        for second in groups[i + 1 :]:
+            assert not first & second, first & second
+
+
+def test_checkpoint_name_keeps_the_autocast_dtype():
+    from jax.ad_checkpoint import checkpoint_name
+
+    fn = jaxscale.autocast(lambda a: checkpoint_name(a @ a, "h") + 1.0)
+    jaxpr = jax.make_jaxpr(fn)(A)
+    named = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "name"]
+    assert [str(e.outvars[0].aval.dtype) for e in named] == ["float16"]
+    assert fn(A).dtype == F16
+
+
+def test_linalg_solve_runs_in_the_dtype_it_was_written_in():
+    def solve(a, b):
+        return jnp.linalg.solve(a @ a.T + 4 * jnp.eye(4, dtype=a.dtype), b)
+
+    with third_party.standard_promotion():
+        got = jaxscale.autocast(solve)(A, B)
+        expected = solve(A, B)
+    assert got.dtype == F32
+    np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [jax.nn.softmax, jax.nn.log_softmax, jax.scipy.special.logsumexp],
+    ids=["softmax", "log_softmax", "logsumexp"],
+)
+def test_softmax_subtracts_its_maximum_in_float32_as_pytorch_runs_the_op(fn):
+    # PyTorch casts softmax's input to float32 before anything else. In float16 a
+    # mask fill of -65504 minus a maximum of 16 or more rounds to -inf.
+    scores = jnp.array([[40.0, 1.0, 3.0], [2.0, 5.0, 7.0]], F32)
+    keep = np.array([[True, True, False], [True, False, False]])
+    masked = lambda s: fn(jnp.where(keep, s @ jnp.eye(3), -1e9))  # noqa: E731
+    with third_party.standard_promotion():
+        jaxpr = jax.make_jaxpr(jaxscale.autocast(masked))(scores)
+        subs = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "sub"]
+        assert subs
+        assert str(subs[0].outvars[0].aval.dtype) == "float32"
+        _, report = jaxscale.locate_nonfinite(jaxscale.autocast(masked))(scores)
+        got = np.asarray(jaxscale.autocast(masked)(scores), np.float64)
+    assert not bool(report.found), report.describe()
+    expected = np.asarray(masked(scores), np.float64)
+    if got.shape == keep.shape:  # a masked entry's log-probability saturates, as the fill did
+        got, expected = got[keep], expected[keep]
+    np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)

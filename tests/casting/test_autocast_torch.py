@@ -1,0 +1,63 @@
+"""The same small transformer, same weights, under torch.autocast and under jaxscale.autocast.
+
+PyTorch runs on the CPU, whose autocast lists differ from CUDA's (on the CPU it
+keeps softmax, layer norm and sums in float16); jaxscale follows the CUDA lists.
+So dtypes of intermediate results differ by design, and the comparison is on
+values: logits and loss agree to float16 accuracy, and both are far closer to
+each other than float16 is to float32 on its own.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from flax import nnx
+from support import third_party
+from support.torch_transformer import small_twins
+
+import jaxscale
+
+
+def test_same_transformer_under_both_autocasts_agrees_to_float16_accuracy(char_lm):
+    model, twin, x, y = small_twins(char_lm)
+
+    with third_party.standard_promotion():
+        logits32 = np.asarray(model(x))
+        logits16 = np.asarray(jaxscale.autocast(model)(x), np.float32)
+        loss16 = float(jaxscale.autocast(char_lm.loss_fn)(model, x, y))
+        loss32 = float(char_lm.loss_fn(model, x, y))
+    tokens = torch.from_numpy(np.array(x)).long()
+    with torch.no_grad():
+        torch32 = twin(tokens).numpy()
+        with torch.autocast("cpu", dtype=torch.float16):
+            torch_logits = twin(tokens)
+            torch_loss = torch.nn.functional.cross_entropy(
+                torch_logits.float().reshape(-1, torch_logits.shape[-1]),
+                torch.from_numpy(np.array(y)).long().reshape(-1),
+            )
+    assert torch_logits.dtype == torch.float16  # the head ran in float16 in both
+    np.testing.assert_allclose(torch32, logits32, rtol=1e-4, atol=1e-4)  # the twins are twins
+    np.testing.assert_allclose(logits16, torch_logits.float().numpy(), rtol=2e-2, atol=2e-2)
+    assert abs(loss16 - float(torch_loss)) < 5e-3
+    assert abs(loss16 - loss32) < 5e-3
+    # float16 really was used: the autocast logits are not the float32 ones
+    assert np.max(np.abs(logits16 - logits32)) > 1e-4
+
+
+def test_gradients_under_autocast_follow_float32_ones(char_lm):
+    dataset = char_lm.Dataset.load()
+    config = char_lm.Config(width=32, layers=1, heads=2, seq_len=16)
+    model = char_lm.CharTransformer(
+        len(dataset.chars), config.seq_len, config.width, config.layers, config.heads,
+        nnx.Rngs(1),
+    )  # fmt: skip
+    x, y = next(dataset.batches("train", 4, config.seq_len, seed=5))
+    with third_party.standard_promotion():
+        grads16 = nnx.grad(jaxscale.autocast(char_lm.loss_fn))(model, x, y)
+        grads32 = nnx.grad(char_lm.loss_fn)(model, x, y)
+    for g16, g32 in zip(jax.tree.leaves(grads16), jax.tree.leaves(grads32), strict=True):
+        assert g16.dtype == jnp.float32
+        scale = float(jnp.max(jnp.abs(g32))) + 1e-12
+        assert float(jnp.max(jnp.abs(g16 - g32))) / scale < 2e-2

@@ -1,0 +1,308 @@
+"""unscale_and_check, all_finite and scale_outputs: the per-leaf arithmetic."""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from support import torch_reference
+
+from jaxscale import all_finite, scale_outputs, unscale_and_check
+from jaxscale.core import _scaling, correctly_rounded_reciprocal, inverse_scale
+
+MODES = ["eager", "jit"]
+
+
+def call(fn, mode, *args):
+    return jax.jit(fn)(*args) if mode == "jit" else fn(*args)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_pytorch_unscale_test_numbers(mode, dtype):
+    # PyTorch's test_grad_scaling_unscale: inv_scale 0.25 (scale 4), grads of 4.0 -> 1.0.
+    grads = [jnp.full((10, 10), 4.0, dtype), jnp.full((10, 10), 4.0, dtype)]
+    unscaled, found_inf = call(unscale_and_check, mode, grads, jnp.float32(4.0))
+    assert not bool(found_inf)
+    for g in unscaled:
+        assert g.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.ones((10, 10), np.float32))
+    grads[1] = grads[1].at[2, 2].set(jnp.inf)
+    _, found_inf = call(unscale_and_check, mode, grads, jnp.float32(4.0))
+    assert bool(found_inf)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_each_non_finite_kind_is_found(mode, bad):
+    grads = {"a": jnp.ones(5, jnp.float16), "b": jnp.array([1.0, bad, 3.0], jnp.float32)}
+    unscaled, found_inf = call(unscale_and_check, mode, grads, jnp.float32(2.0))
+    assert bool(found_inf)
+    # unscaled values are still returned, as PyTorch unscales in place regardless
+    np.testing.assert_array_equal(
+        np.asarray(unscaled["b"]), np.array([0.5, bad / 2, 1.5], np.float32)
+    )
+
+
+def test_check_is_on_scaled_values_so_overflow_after_unscaling_is_not_found():
+    # scale < 1 makes inv_scale > 1: a finite float16 value can overflow when unscaled.
+    # PyTorch checks the scaled values, reports no inf, and returns inf. So does jaxscale.
+    grads = [np.array([60000.0, 1.0], np.float16)]
+    unscaled, found_inf = unscale_and_check([jnp.asarray(grads[0])], jnp.float32(0.5))
+    expected, expected_found = torch_reference.unscale(grads, np.float32(0.5))
+    assert bool(found_inf) is expected_found is False
+    np.testing.assert_array_equal(np.asarray(unscaled[0]), expected[0])
+    assert np.isinf(np.asarray(unscaled[0])[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_non_floating_leaves_and_none_pass_through(mode):
+    int_grad = jax.grad(lambda x, n: x * 2.0, argnums=(0, 1), allow_int=True)(1.0, 3)[1]
+    assert int_grad.dtype == jax.dtypes.float0
+    grads = {"f": jnp.full(3, 8.0), "i": jnp.arange(3), "b": jnp.array([True]), "none": None}
+    unscaled, found_inf = call(unscale_and_check, mode, grads, jnp.float32(4.0))
+    assert unscaled["none"] is None
+    np.testing.assert_array_equal(unscaled["i"], np.arange(3))
+    np.testing.assert_array_equal(unscaled["b"], [True])
+    np.testing.assert_array_equal(unscaled["f"], np.full(3, 2.0, np.float32))
+    assert not bool(found_inf)
+    unscaled, _ = unscale_and_check({"n": int_grad}, jnp.float32(4.0))  # float0 passes eagerly
+    assert unscaled["n"].dtype == jax.dtypes.float0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_empty_tree_is_all_finite(mode):
+    for tree in [{}, [], (), None]:
+        unscaled, found_inf = call(unscale_and_check, mode, tree, jnp.float32(4.0))
+        assert unscaled == tree
+        assert not bool(found_inf)
+        assert bool(all_finite(tree))
+
+
+def test_float64_leaves_compute_in_float64():
+    with jax.enable_x64(True):
+        g = np.array([3.0, 1e300, np.nextafter(1.0, 2.0)], np.float64)
+        unscaled, found_inf = unscale_and_check([jnp.asarray(g)], jnp.float32(3.0))
+        expected, expected_found = torch_reference.unscale([g], np.float32(3.0))
+        assert unscaled[0].dtype == jnp.float64
+        assert not bool(found_inf)
+        assert not expected_found
+        np.testing.assert_array_equal(np.asarray(unscaled[0]), expected[0])
+
+
+def test_complex_leaves_are_rejected_naming_the_leaf():
+    with pytest.raises(
+        TypeError, match=r"leaf \['w'\]: complex arrays are not supported, got dtype complex64"
+    ):
+        unscale_and_check({"w": jnp.ones(2, jnp.complex64)}, jnp.float32(2.0))
+
+
+def test_non_array_leaves_are_rejected_naming_the_leaf():
+    with pytest.raises(TypeError, match=r"leaf \[1\]: expected an array, got str 'x'"):
+        all_finite([jnp.ones(2), "x"])
+
+
+def test_inverse_scale_equals_pytorch_double_reciprocal():
+    rng = np.random.default_rng(0)
+    # every normal float32 up to 2**126 (beyond it the reciprocal is a subnormal)
+    scales = rng.integers(0x00800000, 0x7E800000, 200_000, dtype=np.uint32).view(np.float32)
+    got = np.asarray(jax.jit(jax.vmap(inverse_scale))(jnp.asarray(scales)))
+    expected = (1.0 / scales.astype(np.float64)).astype(np.float32)
+    assert (got.view(np.uint32) == expected.view(np.uint32)).all()
+    for scale in scales[:20]:
+        assert inverse_scale(jnp.float32(scale)) == torch_reference.inverse_scale(scale)
+
+
+def test_the_gpu_reciprocal_equals_pytorch_double_reciprocal():
+    # What inverse_scale computes off the CPU, where XLA's float32 division is not
+    # correctly rounded: integer long division, run here so the CPU suite checks it.
+    rng = np.random.default_rng(1)
+    scales = rng.integers(0x00800000, 0x7E800000, 200_000, dtype=np.uint32).view(np.float32)
+    edges = [1.0, 3.0, 0.1, 2.0**-126, 1.5 * 2.0**-126, 2.0**125, 2.0**126, 1.9999999, 65536.0]
+    scales = np.concatenate([scales, np.asarray(edges, np.float32)])
+    scales = np.concatenate([scales, np.nextafter(scales, np.float32(np.inf))])
+    expected = (1.0 / scales.astype(np.float64)).astype(np.float32)
+    scales, expected = scales[expected >= 2.0**-126], expected[expected >= 2.0**-126]  # normal
+    got = np.asarray(jax.jit(correctly_rounded_reciprocal)(jnp.asarray(scales)))
+    assert (got.view(np.uint32) == expected.view(np.uint32)).all()
+    assert correctly_rounded_reciprocal(jnp.float32(3.0)) == torch_reference.inverse_scale(3.0)
+
+
+def test_the_gpu_reciprocal_falls_back_to_division_where_the_result_is_not_normal():
+    scales = jnp.asarray([0.0, np.inf, 3e38, 1e-45], jnp.float32)
+    got = np.asarray(correctly_rounded_reciprocal(scales))
+    np.testing.assert_array_equal(got, np.asarray(1.0 / scales))
+
+
+def test_the_gpu_reciprocal_of_a_scale_between_2_126_and_2_127_is_the_divisions():
+    # 1/scale is subnormal there: the long division's exponent would underflow, so the
+    # platform's own division decides (0 where it flushes subnormals, the exact value
+    # where it keeps them); never the long division's pattern, which is half of it
+    rng = np.random.default_rng(2)
+    binade = rng.integers(0x7E800001, 0x7F000000, 2_000, dtype=np.uint32).view(np.float32)
+    scales = jnp.asarray(np.concatenate([binade, np.float32([1.5 * 2.0**126])]))
+    got = np.asarray(jax.jit(correctly_rounded_reciprocal)(scales)).view(np.uint32)
+    division = np.asarray(jax.jit(lambda s: 1.0 / s)(scales)).view(np.uint32)
+    np.testing.assert_array_equal(got, division)
+    exact = (1.0 / np.asarray(scales, np.float64)).astype(np.float32).view(np.uint32)
+    assert np.all((got == 0) | (got == exact))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_scale_outputs_keeps_structure_and_dtypes(mode):
+    outputs = {
+        "loss": jnp.float32(0.25),
+        "aux": [jnp.array([1.0, 2.0], jnp.bfloat16), (jnp.float16(3.0),)],
+    }
+    scaled = call(scale_outputs, mode, outputs, jnp.float32(1024.0))
+    assert jax.tree.structure(scaled) == jax.tree.structure(outputs)
+    assert float(scaled["loss"]) == 256.0
+    assert scaled["aux"][0].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(scaled["aux"][0], np.float32), [1024.0, 2048.0])
+    assert scaled["aux"][1][0].dtype == jnp.float16
+    assert float(scaled["aux"][1][0]) == 3072.0
+
+
+def test_scale_outputs_rounds_once_from_float32():
+    # A scale float16 cannot hold: multiplying in float32 and rounding once gives 28.11;
+    # rounding the scale to float16 first would give 28.1.
+    scaled = scale_outputs(jnp.float16(81.56), jnp.float32(0.34457194805145264))
+    assert scaled.dtype == jnp.float16
+    assert float(scaled) == float(np.float16(28.11))
+    assert float(scaled) != float(np.float16(81.56) * np.float16(0.34457194805145264))
+
+
+@pytest.mark.parametrize(
+    ("outputs", "message"),
+    [
+        (jnp.arange(3), r"can only scale floating arrays, got dtype int32 at <root>"),
+        ({"loss": 1.0}, r"can only scale floating arrays, got float at \['loss'\]"),
+        (["loss"], r"can only scale floating arrays, got str at \[0\]"),
+    ],
+)
+def test_scale_outputs_rejects_non_floating(outputs, message):
+    with pytest.raises(TypeError, match=message):
+        scale_outputs(outputs, jnp.float32(2.0))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "size", [2**17, 3 * 7 * 10_000, 131094, 131101], ids=["2**17", "210000", "131094", "prime"]
+)
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_large_leaves_are_checked_at_every_position(size, bad, dtype):
+    # On CPU a large leaf's neighbouring elements are and-ed in groups of 8 (of 6 for
+    # 131094, which 8 and 7 do not divide) before the reduction; a prime size is
+    # checked element by element. Every lane of the first and the last groups, and
+    # the middle.
+    leaf = jnp.asarray(np.random.default_rng(size).normal(size=size), dtype)
+    check = jax.jit(all_finite)
+    assert bool(check({"w": leaf}))
+    for position in [*range(16), size // 2, *range(size - 16, size)]:
+        assert not bool(check({"w": leaf.at[position].set(bad)})), position
+
+
+def _mixed_tree(count: int) -> dict:
+    """``count`` leaves of one shape, beside leaves of other shapes and dtypes."""
+    rng = np.random.default_rng(count)
+    same = {
+        f"layer{i:02d}": jnp.asarray(rng.normal(size=(64, 33)), jnp.float32) for i in range(count)
+    }
+    return {
+        **same,
+        "bias": jnp.ones(33, jnp.float16),
+        "other": jnp.ones((64, 33), jnp.bfloat16),
+        "scalar": jnp.float32(2.0),
+        "large": jnp.ones(2**17, jnp.float32),
+    }
+
+
+@pytest.fixture
+def one_cpu_device(monkeypatch):
+    """The CPU check as a single-device process runs it: leaves of one shape grouped."""
+    monkeypatch.setattr(_scaling, "_one_cpu_device", lambda: True)
+
+
+@pytest.mark.parametrize("count", [1, 2, 8, 9, 17])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_leaves_checked_together_are_each_checked(one_cpu_device, count, bad):
+    tree = _mixed_tree(count)
+    check = jax.jit(all_finite)
+    assert bool(check(tree))
+    for name, leaf in tree.items():
+        for index in {(0,) * leaf.ndim, tuple(n - 1 for n in leaf.shape)}:
+            poisoned = {**tree, name: leaf.at[index].set(bad)}
+            assert not bool(check(poisoned)), (name, index)
+
+
+def test_leaves_of_one_shape_are_reduced_together_without_reduce_windows(one_cpu_device):
+    # XLA's CPU backend splits a reduction of one operand into two reduce-window
+    # kernels and a reduce (three kernels to compile per leaf); a reduction of
+    # several operands is left whole. 16 leaves of one shape: two reductions of 8.
+    cpu = jax.devices("cpu")[0]  # the CPU's program, whatever the default backend
+    tree = {f"layer{i:02d}": jax.device_put(jnp.ones((64, 33)), cpu) for i in range(16)}
+    text = jax.jit(all_finite).lower(tree).compile().as_text()
+    assert text.count("reduce-window(") == 0
+    variadic = re.findall(r"= \((?:pred\[\], (?:/\*index=5\*/)?){7}pred\[\]\) reduce\(", text)
+    assert len(variadic) == 2
+
+
+def test_a_single_device_process_groups_its_checks():
+    # The grouping is decided by the number of CPU devices: this suite runs with 8
+    # simulated ones, so the default is tried in a process of its own.
+    code = (
+        "import jax, jax.numpy as jnp; from jaxscale import all_finite; "
+        "tree = [jax.device_put(jnp.ones((100, 100)), jax.devices('cpu')[0]) for _ in range(8)]; "
+        "text = jax.jit(all_finite).lower(tree).compile().as_text(); "
+        "print(len(jax.devices('cpu')), text.count('reduce-window('), bool(all_finite(tree)))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.stdout.split() == ["1", "0", "True"], result.stderr
+
+
+@pytest.mark.parametrize("shape", [(3, 128, 64), (128, 129), (64, 2048)])
+def test_large_leaves_of_any_shape_are_checked(shape):
+    leaf = jnp.ones(shape, jnp.float32)
+    assert bool(jax.jit(all_finite)({"w": leaf}))
+    last = tuple(n - 1 for n in shape)
+    for index in [(0,) * len(shape), tuple(n // 2 for n in shape), last]:
+        assert not bool(jax.jit(all_finite)({"w": leaf.at[index].set(np.nan)})), index
+
+
+def test_leaves_of_one_shape_sharded_differently_are_not_gathered():
+    # Several devices: each leaf is checked on its own, where it lies (a reduction of
+    # several operands would first give them one sharding).
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+    specs = {"rows": P("a"), "columns": P(None, "b"), "both": P("b", "a")}
+    tree = {
+        k: jax.device_put(jnp.ones((256, 256)), NamedSharding(mesh, s)) for k, s in specs.items()
+    }
+    text = jax.jit(all_finite).lower(tree).compile().as_text()
+    assert re.findall(r"= \S+ (all-gather|all-to-all|collective-permute)", text) == []
+    assert not bool(jax.jit(all_finite)({**tree, "both": tree["both"].at[3, 7].set(np.nan)}))
+
+
+@pytest.mark.parametrize("spec", [P("a"), P(None, "b"), P("a", "b"), P("b", None)], ids=str)
+def test_a_sharded_leaf_is_checked_where_it_lies(spec):
+    # The check folds neighbours along the last axis, so each device folds its own
+    # block: the only collective is the all-reduce of the verdict.
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+    leaf = jax.device_put(jnp.ones((256, 2048)), NamedSharding(mesh, spec))
+    text = jax.jit(all_finite).lower({"w": leaf}).compile().as_text()
+    assert re.findall(r"= \S+ (all-gather|all-to-all|collective-permute)", text) == []
+    assert bool(jax.jit(all_finite)({"w": leaf}))
+    poisoned = jax.device_put(leaf.at[255, 2047].set(np.inf), NamedSharding(mesh, spec))
+    assert not bool(jax.jit(all_finite)({"w": poisoned}))
+
+
+def test_large_finite_values_are_not_mistaken_for_overflow():
+    leaf = jnp.full(2**15, np.finfo(np.float32).max, jnp.float32)
+    assert bool(jax.jit(all_finite)(leaf))
+    assert bool(jax.jit(all_finite)(-leaf))

@@ -1,0 +1,514 @@
+"""jaxscale.locate_nonfinite finds the first operation whose output became non-finite.
+
+Each test plants one fault (or two, to check which comes first) and asserts the
+whole description: primitive, forward or backward, the line of the test's source
+marked ``# <- origin``, the loop iteration, the kind and the dtype.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import lax
+from support import third_party
+
+import jaxscale
+
+F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
+
+
+def line_of(fn, marker="# <- origin"):
+    """``test_locate_nonfinite.py:LINE`` of the line of ``fn``'s source holding ``marker``."""
+    lines, first = inspect.getsourcelines(fn)
+    found = [first + i for i, text in enumerate(lines) if marker in text]
+    assert len(found) == 1, found
+    return f"test_locate_nonfinite.py:{found[0]}"
+
+
+def located(fn, *args, jit=True):
+    wrapped = jaxscale.locate_nonfinite(fn)
+    return (jax.jit(wrapped) if jit else wrapped)(*args)
+
+
+def expect(report, phase, primitive, where, kind, dtype, iteration=None):
+    text = f"{phase} {primitive} at {where}"
+    if iteration is not None:
+        text += f", iteration {iteration}"
+    assert report.describe() == f"{text}: {kind} ({dtype})"
+    assert bool(report.found)
+
+
+W = jnp.asarray(np.random.default_rng(0).uniform(0.5, 1.0, (4, 4)), F32)
+X = jnp.ones((2, 4), F32)
+
+
+# -- forward faults ------------------------------------------------------------------------
+
+
+def log_of_zero(w, x):
+    h = x @ w - jnp.sum(x @ w, axis=-1, keepdims=True)
+    return jnp.sum(jnp.log(h * 0.0))  # <- origin
+
+
+def log_of_negative(w, x):
+    return jnp.sum(jnp.log(-(x @ w)))  # <- origin
+
+
+def exp_overflow(w, x):
+    return jnp.sum(jnp.exp(100.0 * (x @ w)))  # <- origin
+
+
+def division_by_zero(w, x):
+    return jnp.sum((x @ w) / (x @ w - x @ w))  # <- origin
+
+
+@pytest.mark.parametrize(
+    ("fn", "primitive", "kind"),
+    [
+        (log_of_zero, "log", "inf"),
+        (log_of_negative, "log", "nan"),
+        (exp_overflow, "exp", "inf"),
+        (division_by_zero, "div", "inf"),
+    ],
+)
+def test_forward_faults(fn, primitive, kind):
+    out, report = located(fn, W, X)
+    expect(report, "forward", primitive, line_of(fn), kind, "float32")
+    np.testing.assert_array_equal(out, fn(W, X))  # bitwise the function's own
+
+
+def float16_activation(w, x):
+    h = x @ w  # <- origin
+    return jnp.sum(h)
+
+
+def test_a_float16_activation_over_65504_under_autocast():
+    _, report = located(jaxscale.autocast(float16_activation), W * 3e4, X)
+    expect(report, "forward", "dot_general", line_of(float16_activation), "inf", "float16")
+
+
+def test_autocast_outside_locate_finds_the_same_origin():
+    # the search runs on the program autocast evaluates; its table was written while
+    # the function was traced, so it names the dtype the function was written in
+    _, report = jax.jit(jaxscale.autocast(jaxscale.locate_nonfinite(float16_activation)))(
+        W * 3e4, X
+    )
+    expect(report, "forward", "dot_general", line_of(float16_activation), "inf", "float32")
+
+
+def bfloat16_exp(x):
+    return jnp.exp(x.astype(BF16) * 200.0)  # <- origin
+
+
+def test_a_bfloat16_overflow():
+    _, report = located(bfloat16_exp, jnp.ones(3, F32))
+    expect(report, "forward", "exp", line_of(bfloat16_exp), "inf", "bfloat16")
+
+
+def float16_sum(x):
+    return x + x  # <- origin
+
+
+def test_float16_arithmetic_overflow_without_autocast():
+    _, report = located(float16_sum, jnp.full(3, 40000.0, F16))
+    expect(report, "forward", "add", line_of(float16_sum), "inf", "float16")
+
+
+def masked_softmax(q, mask):
+    logits = jnp.where(mask, q @ q.T, -jnp.inf)  # an intended -inf: no origin
+    return jax.nn.softmax(logits)  # <- origin
+
+
+def test_a_fully_masked_softmax_row_and_not_its_minus_inf_mask():
+    mask = jnp.array([[True, False], [False, False]])
+    _, report = located(masked_softmax, jnp.ones((2, 2)), mask)
+    expect(report, "forward", "sub", line_of(masked_softmax), "nan", "float32")
+
+
+def where_in_a_library_jit(x):
+    return jnp.where(x > 0, jnp.log(x), jnp.log(-x))  # <- origin
+
+
+def test_an_operation_of_a_library_function_names_the_users_line():
+    _, report = located(where_in_a_library_jit, jnp.array([1.0, 0.0]))
+    expect(report, "forward", "log", line_of(where_in_a_library_jit), "inf", "float32")
+
+
+# -- arguments -----------------------------------------------------------------------------
+
+
+def test_a_non_finite_argument_is_the_origin_with_its_path():
+    params = {"w": W, "b": jnp.array([0.0, jnp.nan])}
+    _, report = located(lambda p, x: jnp.sum(x @ p["w"]) + p["b"], params, X)
+    assert report.describe() == "argument [0]['b']: nan (float32)"
+    origin = report.origin()
+    assert (origin.source, origin.path, origin.dtype) == ("argument", "[0]['b']", "float32")
+
+
+def test_an_nnx_module_parameter_is_named_by_its_attribute_path():
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    model.kernel[...] = model.kernel[...].at[1, 1].set(jnp.inf)
+    _, report = located(lambda m, x: m(x), model, X, jit=False)
+    assert report.describe().startswith("argument [0]['kernel']")
+    assert report.describe().endswith(": inf (float32)")
+
+
+# -- the backward pass ---------------------------------------------------------------------
+
+
+def sqrt_at_zero(w, x):
+    return jnp.sum(jnp.sqrt(x @ w))  # <- origin
+
+
+def test_a_jvp_term_computed_only_for_the_gradient_is_backward():
+    # sqrt(0) is 0 in the forward pass; its derivative 0.5 / sqrt(0) is inf
+    (value, _), report = located(jax.value_and_grad(sqrt_at_zero), W, 0.0 * X)
+    assert float(value) == 0.0
+    expect(report, "backward", "div", line_of(sqrt_at_zero), "inf", "float32")
+
+
+def scaled_float16_matmul(w, x):
+    return jnp.sum(x @ w)  # <- origin
+
+
+def test_a_loss_scale_overflowing_a_float16_matmul_gradient():
+    # the forward pass is finite; the weight gradient x.T @ (scale * ones) is not
+    def scaled_loss(w, x):
+        return 1e4 * jaxscale.autocast(scaled_float16_matmul)(w, x).astype(F32)
+
+    x = jnp.full((16, 4), 10.0, F32)
+    (loss, _), report = located(jax.value_and_grad(scaled_loss), W, x)
+    assert np.isfinite(loss)
+    expect(report, "backward", "dot_general", line_of(scaled_float16_matmul), "inf", "float16")
+
+
+def test_nnx_grad_of_a_module():
+    class Model(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return jnp.log(self.linear(x))  # <- origin
+
+    model = Model()
+    _, report = located(nnx.grad(lambda m, x: jnp.sum(m(x))), model, -10.0 * X, jit=False)
+    expect(report, "forward", "log", line_of(Model.__call__), "nan", "float32")
+
+
+@jax.custom_vjp
+def reciprocal_gradient(x):
+    return x
+
+
+def _reciprocal_fwd(x):
+    return x, x
+
+
+def _reciprocal_bwd(x, g):
+    return (g / x,)  # inf where x is 0
+
+
+reciprocal_gradient.defvjp(_reciprocal_fwd, _reciprocal_bwd)
+
+
+def through_custom_vjp(x):
+    return jnp.sum(reciprocal_gradient(x * 1.0))  # <- origin
+
+
+def test_a_custom_vjp_backward_rule_names_the_line_calling_the_function():
+    _, report = located(jax.grad(through_custom_vjp), jnp.array([1.0, 0.0]))
+    expect(report, "backward", "div", line_of(through_custom_vjp), "inf", "float32")
+
+
+@jax.custom_jvp
+def safe_looking_log(x):
+    return jnp.log(x)  # <- origin
+
+
+@safe_looking_log.defjvp
+def _safe_looking_log_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return safe_looking_log(x), t / x
+
+
+def through_custom_jvp(x):
+    return jnp.sum(safe_looking_log(x))
+
+
+def test_inside_a_custom_jvp_function_forward():
+    # the custom function's own line: its body is the user's code
+    _, report = located(through_custom_jvp, jnp.array([1.0, -1.0]))
+    expect(report, "forward", "log", line_of(safe_looking_log), "nan", "float32")
+
+
+# -- loops, conditionals, checkpoints, nested jit, vmap -----------------------------------
+
+
+def scanned(w, x):
+    def layer(h, _):
+        return h * w, None  # <- origin
+
+    return lax.scan(layer, x, None, length=10)[0]
+
+
+def fori(w, x):
+    return lax.fori_loop(0, 10, lambda i, h: h * w, x)  # <- origin
+
+
+def while_loop(w, x):
+    def body(carry):
+        step, h = carry
+        return step + 1, h * w  # <- origin
+
+    return lax.while_loop(lambda carry: carry[0] < 10, body, (0, x))[1]
+
+
+@pytest.mark.parametrize("fn", [scanned, fori, while_loop])
+def test_the_iteration_of_a_loop(fn):
+    # 1e5 ** 8 overflows float32: the eighth multiplication, iteration 7
+    _, report = located(fn, jnp.float32(1e5), jnp.float32(1.0))
+    expect(report, "forward", "mul", line_of(fn), "inf", "float32", iteration=7)
+
+
+def reversed_scan(w, x):
+    def layer(h, _):
+        return h * w, None  # <- origin
+
+    return lax.scan(layer, x, None, length=10, reverse=True)[0]
+
+
+def test_the_iteration_counts_iterations_run_not_the_index():
+    _, report = located(reversed_scan, jnp.float32(1e5), jnp.float32(1.0))
+    expect(report, "forward", "mul", line_of(reversed_scan), "inf", "float32", iteration=7)
+
+
+def nested_loops(w, x):
+    def inner(h, _):
+        return h * w, None  # <- origin
+
+    def outer(h, _):
+        return lax.scan(inner, h, None, length=3)[0], None
+
+    return lax.scan(outer, x, None, length=4)[0]
+
+
+def test_nested_loops_report_the_innermost_iteration():
+    # multiplications 1..12 run as (outer, inner) = (0,0) (0,1) (0,2) (1,0) (1,1) (1,2) (2,0) (2,1)
+    _, report = located(nested_loops, jnp.float32(1e5), jnp.float32(1.0))
+    expect(report, "forward", "mul", line_of(nested_loops), "inf", "float32", iteration=1)
+
+
+def branches(x, which):
+    return lax.switch(
+        which,
+        [
+            lambda v: jnp.sin(v),
+            lambda v: jnp.log(v - 10.0),  # <- origin
+            lambda v: jnp.cos(v),
+        ],
+        x,
+    )
+
+
+def test_the_branch_taken_of_a_switch():
+    _, report = located(branches, jnp.ones(3), 1)
+    expect(report, "forward", "log", line_of(branches), "nan", "float32")
+    _, report = located(branches, jnp.ones(3), 0)
+    assert not bool(report.found)
+
+
+def conditional(x):
+    return lax.cond(jnp.sum(x) > 0, lambda v: 1.0 / (v - v), jnp.sin, x)  # <- origin
+
+
+def test_the_branch_taken_of_a_cond():
+    _, report = located(conditional, jnp.ones(3))
+    expect(report, "forward", "div", line_of(conditional), "inf", "float32")
+
+
+def checkpointed(w, x):
+    @jax.checkpoint
+    def block(h):
+        return jnp.exp(h @ w * 100.0)  # <- origin
+
+    return jnp.sum(block(x))
+
+
+def test_inside_a_checkpoint_forward_and_with_its_gradient():
+    _, report = located(checkpointed, W, X)
+    expect(report, "forward", "exp", line_of(checkpointed), "inf", "float32")
+    _, report = located(jax.grad(checkpointed), W, X)
+    expect(report, "forward", "exp", line_of(checkpointed), "inf", "float32")
+
+
+@jax.jit
+def users_own_jit(x):
+    return jnp.log(x - 2.0)  # <- origin
+
+
+def test_inside_the_users_own_jitted_function():
+    _, report = located(lambda x: users_own_jit(x) * 2.0, jnp.ones(3))
+    expect(report, "forward", "log", line_of(users_own_jit), "nan", "float32")
+
+
+def per_example(x):
+    return jax.vmap(lambda row: jnp.log(row[0]))(x)  # <- origin
+
+
+def test_vmapped_code():
+    _, report = located(per_example, jnp.array([[1.0, 2.0], [0.0, 1.0]]))
+    expect(report, "forward", "log", line_of(per_example), "inf", "float32")
+
+
+def two_faults(x):
+    a = jnp.log(x - x)  # <- origin
+    b = jnp.exp(x * 1000.0)
+    return a + b
+
+
+def test_the_first_of_two_faults_in_evaluation_order():
+    _, report = located(two_faults, jnp.ones(2))
+    expect(report, "forward", "log", line_of(two_faults), "inf", "float32")
+
+
+# -- nothing found, and what the report is --------------------------------------------------
+
+
+def healthy(w, x):
+    return jnp.tanh(x @ w), jnp.sum(jnp.exp(-(x @ w)))
+
+
+def test_nothing_found_leaves_the_outputs_bitwise_and_says_so():
+    out, report = located(healthy, W, X)
+    expected = jax.jit(healthy)(W, X)
+    for got, want in zip(out, expected, strict=True):
+        np.testing.assert_array_equal(
+            np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32)
+        )
+    assert not bool(report.found)
+    assert report.describe() == "no inf or NaN was born in this call"
+    assert report.origin() is None
+
+
+def test_the_report_is_a_pytree_of_arrays_and_describe_refuses_to_run_traced():
+    _, report = located(healthy, W, X)
+    leaves = jax.tree.leaves(report)
+    assert [leaf.dtype for leaf in leaves] == [jnp.bool_, jnp.int32, jnp.int32, jnp.int32]
+
+    @jax.jit
+    def inside(w, x):
+        _, report = jaxscale.locate_nonfinite(healthy)(w, x)
+        with pytest.raises(TypeError, match="return the report from the jitted function"):
+            report.describe()
+        return report
+
+    assert not bool(inside(W, X).found)
+
+
+def test_a_bad_argument_raises():
+    with pytest.raises(TypeError, match="locate_nonfinite expects a callable, got int 3"):
+        jaxscale.locate_nonfinite(3)
+
+
+def test_the_lowered_step_has_no_callback_loop_or_conditional_on_data():
+    def step(w, x):
+        loss, grads = jax.value_and_grad(
+            lambda w: jnp.sum(jnp.tanh(jaxscale.autocast(lambda a, b: b @ a)(w, x)).astype(F32))
+        )(w)
+        return loss, grads
+
+    with third_party.standard_promotion():
+        result = jaxscale.lowering_report(jaxscale.locate_nonfinite(step), W, X, platform="cuda")
+    assert result.host_transfers == 0, result
+    assert result.loops == 0, result
+    assert result.data_conditionals == 0, result
+
+
+def test_eager_and_jit_agree():
+    eager = located(exp_overflow, W, X, jit=False)[1]
+    jitted = located(exp_overflow, W, X)[1]
+    assert eager.describe() == jitted.describe()
+
+
+# -- the scaler keeps the origin of its latest overflow -------------------------------------
+
+
+def rooted(w, x):
+    return jnp.sum(jnp.sqrt(x @ w))  # <- origin
+
+
+def test_grad_scaler_keeps_the_origin_of_the_latest_skipped_step():
+    import optax
+
+    tx = jaxscale.grad_scaler(optax.sgd(0.1), init_scale=8.0, record_overflow_origin=True)
+    params = {"w": jnp.eye(2)}
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, x):
+        def scaled(p):
+            return jaxscale.scale(rooted(p["w"], x), opt_state)
+
+        grads, report = jaxscale.locate_nonfinite(jax.grad(scaled))(params)
+        updates, opt_state = tx.update(grads, opt_state, params, nonfinite_report=report)
+        return optax.apply_updates(params, updates), opt_state, report
+
+    params, opt_state, report = step(params, opt_state, jnp.ones((1, 2)))
+    latest = jaxscale.last_overflow_origin(opt_state, report)
+    assert latest.describe() == "no inf or NaN was born in this call"
+    params, opt_state, report = step(params, opt_state, -jnp.ones((1, 2)))
+    assert bool(jaxscale.found_inf(opt_state))
+    expected = f"forward sqrt at {line_of(rooted)}: nan (float32)"
+    assert report.describe() == expected
+    params, opt_state, report = step(params, opt_state, jnp.ones((1, 2)))  # finite again
+    assert not bool(report.found)
+    assert jaxscale.last_overflow_origin(opt_state, report).describe() == expected
+
+
+def test_grad_scaler_without_the_opt_in_refuses_a_report_and_keeps_nothing():
+    import optax
+
+    tx = jaxscale.grad_scaler(optax.sgd(0.1))
+    params = {"w": jnp.eye(2)}
+    opt_state = tx.init(params)
+    assert opt_state.overflow_origin is None
+    _, report = jaxscale.locate_nonfinite(lambda p: p)(params)
+    with pytest.raises(ValueError, match="record_overflow_origin=True"):
+        tx.update(params, opt_state, params, nonfinite_report=report)
+    with pytest.raises(ValueError, match="keeps no overflow origin"):
+        jaxscale.last_overflow_origin(opt_state, report)
+
+
+def test_the_gradscaler_facade_keeps_the_origin_of_the_latest_overflow():
+    import optax
+
+    model = nnx.Linear(2, 2, use_bias=False, rngs=nnx.Rngs(0))
+    model.kernel[...] = jnp.eye(2)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    scaler = jaxscale.GradScaler(init_scale=8.0, record_overflow_origin=True)
+
+    @nnx.jit
+    def step(model, optimizer, scaler, x):
+        def scaled(model, x):
+            return scaler.scale(rooted(model.kernel[...], x))
+
+        grads, report = jaxscale.locate_nonfinite(nnx.grad(scaled))(model, x)
+        scaler.step(optimizer, model, grads)
+        scaler.update(nonfinite_report=report)
+
+    with pytest.raises(ValueError, match="no nonfinite_report was given to update"):
+        scaler.last_overflow_origin()
+    step(model, optimizer, scaler, jnp.ones((1, 2)))
+    assert scaler.last_overflow_origin().describe() == "no inf or NaN was born in this call"
+    step(model, optimizer, scaler, -jnp.ones((1, 2)))
+    step(model, optimizer, scaler, 2 * jnp.ones((1, 2)))
+    assert scaler.skipped_steps() == 1
+    expected = f"forward sqrt at {line_of(rooted)}: nan (float32)"
+    assert scaler.last_overflow_origin().describe() == expected
+    with pytest.raises(ValueError, match="record_overflow_origin=True"):
+        jaxscale.GradScaler().last_overflow_origin()

@@ -1,0 +1,114 @@
+"""The examples in the documentation run: docstrings and the README's Python blocks."""
+
+import doctest
+import importlib
+import pkgutil
+import re
+
+import pytest
+from support import paths, third_party
+
+import jaxscale
+
+ROOT = paths.ROOT
+MODULES = sorted(
+    name for _, name, _ in pkgutil.walk_packages(jaxscale.__path__, prefix="jaxscale.")
+)
+
+
+def test_every_module_is_collected_and_examples_exist():
+    assert "jaxscale.transform._grad_scaler" in MODULES
+    assert "jaxscale.core._rule" in MODULES
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    examples = sum(
+        len(test.examples)
+        for name in MODULES
+        for test in finder.find(importlib.import_module(name), name, globs={})
+    )
+    assert examples >= 40
+
+
+@pytest.mark.parametrize("module_name", MODULES)
+def test_docstring_examples_run(module_name):
+    module = importlib.import_module(module_name)
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    for test in finder.find(module, module_name, globs={}):
+        runner.run(test)
+    assert runner.failures == 0, f"{runner.failures} docstring example(s) failed in {module_name}"
+
+
+def readme_python_blocks():
+    text = (ROOT / "README.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+
+
+def test_readme_has_python_examples():
+    assert len(readme_python_blocks()) >= 1
+
+
+@pytest.mark.parametrize("index", range(len(readme_python_blocks())))
+def test_readme_python_blocks_run(index, capsys):
+    # README code is user code: it runs under JAX's default (standard) promotion.
+    with third_party.standard_promotion():
+        exec(compile(readme_python_blocks()[index], f"README.md block {index}", "exec"), {})
+
+
+def test_the_api_reference_lists_every_public_name():
+    api = (ROOT / "docs" / "api.rst").read_text()
+    documented = set(re.findall(r"^\.\. auto\w+:: jaxscale\.(\w+)\s*$", api, flags=re.MULTILINE))
+    assert documented == set(jaxscale.__all__) - {"__version__"}
+
+
+def test_the_readme_gives_one_command_that_builds_the_docs():
+    assert (
+        'pip install -e ".[docs]" && sphinx-build -W -b html docs docs/_build/html'
+        in (ROOT / "README.md").read_text()
+    )
+
+
+# The README's measured tables are the files the example writes, copied verbatim: each
+# names the command that wrote it, and this keeps the two from drifting apart.
+MEASURED_TABLES = {
+    "examples/figures/precision_comparison.md": (
+        "python examples/compare_precisions.py --devices 1 256"
+    ),
+    "examples/figures/float8_comparison.md": (
+        "python examples/compare_precisions.py --float8 --devices 1"
+    ),
+    "examples/figures/char_lm_training.md": (
+        "python examples/train_char_lm.py --plot examples/figures/char_lm_training.png"
+    ),
+}
+
+
+@pytest.mark.parametrize("path", sorted(MEASURED_TABLES))
+def test_the_readmes_measured_tables_are_the_files_their_command_wrote(path):
+    readme = (ROOT / "README.md").read_text()
+    table = (ROOT / path).read_text().strip()
+    # the README may indent a table inside a list item
+    readme_lines = [line.strip() for line in readme.splitlines()]
+    table_lines = table.splitlines()
+    starts = [
+        i for i in range(len(readme_lines)) if readme_lines[i : i + len(table_lines)] == table_lines
+    ]
+    assert starts, f"README.md does not contain {path} as written"
+    assert f"`{MEASURED_TABLES[path]}`" in " ".join(readme.split())  # a command may wrap
+    assert len(table_lines) > 2  # a header, its rule and rows
+
+
+def test_the_cores_public_names_are_documented_and_the_readmes_core_table_is_in_them():
+    import jaxscale.core as core
+
+    undocumented = [
+        name for name in core.__all__ if name != "AxisName" and not getattr(core, name).__doc__
+    ]
+    assert undocumented == []
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("Core (pure, jittable functions") :]
+    section = section[: section.index("\n\n", section.index("|"))]
+    tabled = set(re.findall(r"^\| `(\w+)\(", section, flags=re.MULTILINE))
+    assert tabled, "the README's core table was not found"
+    assert tabled <= set(core.__all__)
+    # helpers shared between layers are not part of it
+    assert not {"validation", "unscale", "require_matching", "scaler_metrics"} & set(dir(core))

@@ -1,0 +1,179 @@
+"""Equinox models, written as Equinox users write them, trained under autocast and a scaler.
+
+An Equinox loop filters the model into arrays and the rest, vmaps a per-example
+model over the batch, and passes the whole model to Optax as ``params`` (as
+Equinox's own examples do); the scaler is the transform ``jaxscale.grad_scaler``.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from support.model_training import (
+    assert_all_matmuls_in,
+    assert_trains_like,
+    padded_tokens,
+    run_steps,
+)
+from support.third_party import standard_promotion
+
+import jaxscale
+
+F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
+PRECISIONS = [pytest.param(F16, id="float16"), pytest.param(BF16, id="bfloat16")]
+VOCAB, LENGTH, WIDTH = 20, 8, 32
+
+
+@pytest.fixture(autouse=True)
+def _standard_promotion():
+    with standard_promotion():
+        yield
+
+
+@eqx.filter_custom_vjp
+def damped_gradient(x, factor):
+    """Identity forward; the backward pass multiplies the cotangent by ``factor``."""
+    return x
+
+
+@damped_gradient.def_fwd
+def _damped_fwd(perturbed, x, factor):
+    del perturbed
+    return x, None
+
+
+@damped_gradient.def_bwd
+def _damped_bwd(residuals, grad, perturbed, x, factor):
+    del residuals, perturbed, x
+    return grad * factor
+
+
+class Encoder(eqx.Module):
+    """A per-example transformer encoder (one sequence in, one label out)."""
+
+    embed: eqx.nn.Embedding
+    attention: eqx.nn.MultiheadAttention
+    norm1: eqx.nn.LayerNorm
+    norm2: eqx.nn.LayerNorm
+    mlp: eqx.nn.MLP
+    dropout: eqx.nn.Dropout
+    head: eqx.nn.Linear
+    gradient_factor: float = eqx.field(static=True, default=0.5)
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 4)
+        self.embed = eqx.nn.Embedding(VOCAB, WIDTH, key=keys[0])
+        self.attention = eqx.nn.MultiheadAttention(2, WIDTH, key=keys[1])
+        self.norm1, self.norm2 = eqx.nn.LayerNorm(WIDTH), eqx.nn.LayerNorm(WIDTH)
+        self.mlp = eqx.nn.MLP(WIDTH, WIDTH, 64, 1, activation=jax.nn.gelu, key=keys[2])
+        self.dropout = eqx.nn.Dropout(0.1)
+        self.head = eqx.nn.Linear(WIDTH, 2, key=keys[3])
+
+    def __call__(self, tokens, *, key):
+        valid = tokens > 0
+        mask = valid[:, None] & valid[None, :]  # padding queries see nothing at all
+        x = jax.vmap(self.embed)(tokens)
+        h = jax.vmap(self.norm1)(x)
+        x = x + self.attention(h, h, h, mask=mask)
+        x = damped_gradient(x, self.gradient_factor)
+        x = x + self.dropout(jax.vmap(self.mlp)(jax.vmap(self.norm2)(x)), key=key)
+        pooled = jnp.sum(jnp.where(valid[:, None], x, 0.0), 0) / jnp.sum(valid)
+        return self.head(pooled)
+
+
+def classification_loss(model, batch, key):
+    tokens, labels = batch
+    keys = jax.random.split(key, tokens.shape[0])
+    logits = jax.vmap(model)(tokens, key=keys)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def make_step(optimizer, precision):
+    @eqx.filter_jit
+    def step(carry, batch):
+        model, opt_state, key = carry
+        key, dropout_key = jax.random.split(key)
+
+        def scaled_loss(model):
+            if precision is None:
+                loss = classification_loss(model, batch, dropout_key)
+                return loss, loss
+            loss = jaxscale.autocast(classification_loss, dtype=precision)(
+                model, batch, dropout_key
+            )
+            return jaxscale.scale(loss, opt_state), loss
+
+        grads, loss = eqx.filter_grad(scaled_loss, has_aux=True)(model)
+        updates, opt_state = optimizer.update(grads, opt_state, model)  # the whole model
+        return (eqx.apply_updates(model, updates), opt_state, key), loss
+
+    return step
+
+
+def _batch(seed):
+    tokens = padded_tokens(seed, 8, LENGTH, VOCAB)
+    labels = (tokens[:, 0] > VOCAB // 2).astype(np.int32)  # the first token decides the label
+    return jnp.asarray(tokens), jnp.asarray(labels)
+
+
+BATCHES = [_batch(seed) for seed in range(15)]
+
+
+def train(precision):
+    model = Encoder(jax.random.key(0))
+    optimizer = optax.adam(3e-3)
+    if precision is not None:
+        optimizer = jaxscale.grad_scaler(optimizer, init_scale=2.0**12, enabled=precision == F16)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    step = make_step(optimizer, precision)
+    carry, losses = run_steps(step, (model, opt_state, jax.random.key(1)), BATCHES)
+    return carry, losses, step
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_padded_encoder_with_a_custom_vjp_trains_like_float32(precision):
+    _, reference, _ = train(None)
+    (model, opt_state, key), losses, step = train(precision)
+    assert_trains_like(reference, losses, rtol=0.1, label=np.dtype(precision).name)
+    if precision == F16:
+        assert int(jaxscale.skipped_steps(opt_state)) == 0
+    jaxpr = eqx.filter_make_jaxpr(step)((model, opt_state, key), BATCHES[0])[0]
+    assert_all_matmuls_in(precision, jaxpr)
+
+
+def test_filter_custom_vjp_runs_its_rules_only_when_differentiated():
+    x = jnp.asarray(np.linspace(-3, 3, 8), F32)
+
+    def fn(x):
+        return jnp.sum(damped_gradient(x * 4.0, 0.25) ** 2)
+
+    # forward alone: the rules are never traced
+    assert jaxscale.autocast(fn)(x).dtype == F32
+    grad = jax.grad(jaxscale.autocast(fn))(x)
+    np.testing.assert_allclose(grad, jax.grad(fn)(x), rtol=1e-2)
+    np.testing.assert_allclose(grad, 0.25 * 2 * 16 * x, rtol=1e-2)  # the user's rule ran
+
+
+def test_a_checkpointed_while_loop_differentiates_under_autocast():
+    # Diffrax and Optimistix differentiate through Equinox's checkpointed while loop,
+    # whose backward rule reads its perturbation flags as Python booleans
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(4, 4)) * 0.3, F32)
+    x = jnp.ones((2, 4), F32)
+
+    def solve(w, x):
+        def body(carry):
+            step, y = carry
+            return step + 1, jnp.tanh(y @ w)
+
+        final = eqx.internal.while_loop(
+            lambda carry: carry[0] < 3, body, (0, x), max_steps=5, kind="checkpointed"
+        )
+        return jnp.sum(final[1])
+
+    grad = jax.grad(jaxscale.autocast(solve))(w, x)
+    assert grad.dtype == F32
+    np.testing.assert_allclose(grad, jax.grad(solve)(w, x), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,123 @@
+"""Haiku models, written as Haiku users write them, trained under autocast and a scaler.
+
+A Haiku model is a function turned pure by ``hk.transform_with_state``; autocast
+wraps the loss that calls its ``apply``, and the scaler is ``jaxscale.grad_scaler``.
+"""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from support.model_training import (
+    assert_all_matmuls_in,
+    assert_trains_like,
+    padded_tokens,
+    run_steps,
+)
+from support.third_party import standard_promotion
+
+import jaxscale
+
+F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
+PRECISIONS = [pytest.param(F16, id="float16"), pytest.param(BF16, id="bfloat16")]
+VOCAB, LENGTH, WIDTH = 20, 8, 32
+
+
+@pytest.fixture(autouse=True)
+def _standard_promotion():
+    with standard_promotion():
+        yield
+
+
+def language_model(tokens, is_training):
+    """A decoder block with a padding + causal mask, and a BatchNorm'd convolution."""
+    valid = tokens > 0
+    mask = (valid[:, None, :, None] & valid[:, None, None, :]) & jnp.tril(
+        jnp.ones((LENGTH, LENGTH), bool)
+    )
+    x = hk.Embed(VOCAB, WIDTH)(tokens)
+    x = hk.Conv1D(WIDTH, 3)(x)
+    x = hk.BatchNorm(create_scale=True, create_offset=True, decay_rate=0.9)(x, is_training)
+    h = hk.LayerNorm(axis=-1, create_scale=True, create_offset=True)(x)
+    x = x + hk.MultiHeadAttention(
+        num_heads=2, key_size=16, w_init=hk.initializers.VarianceScaling(1.0)
+    )(h, h, h, mask=mask)
+    if is_training:
+        x = hk.dropout(hk.next_rng_key(), 0.1, x)
+    x = x + hk.nets.MLP([64, WIDTH], activation=jax.nn.gelu)(x)
+    return hk.Linear(VOCAB)(x)
+
+
+MODEL = hk.transform_with_state(language_model)
+
+
+def lm_loss(params, state, rng, tokens):
+    logits, state = MODEL.apply(params, state, rng, tokens[:, :-1], is_training=True)
+    weights = (tokens[:, 1:] > 0).astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    return jnp.sum(losses * weights) / jnp.sum(weights), state
+
+
+def make_step(optimizer, precision):
+    def step(carry, tokens):
+        params, state, opt_state, rng = carry
+        rng, dropout_rng = jax.random.split(rng)
+
+        def scaled_loss(params):
+            if precision is None:
+                loss, new_state = lm_loss(params, state, dropout_rng, tokens)
+                return loss, (loss, new_state)
+            loss, new_state = jaxscale.autocast(lm_loss, dtype=precision)(
+                params, state, dropout_rng, tokens
+            )
+            return jaxscale.scale(loss, opt_state), (loss, new_state)
+
+        grads, (loss, state) = jax.grad(scaled_loss, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), state, opt_state, rng), loss
+
+    return step
+
+
+BATCHES = [jnp.asarray(padded_tokens(seed, 4, LENGTH + 1, VOCAB)) for seed in range(12)]
+
+
+def train(precision):
+    params, state = MODEL.init(jax.random.key(0), BATCHES[0][:, :-1], is_training=True)
+    optimizer = optax.adam(3e-3)
+    if precision is not None:
+        optimizer = jaxscale.grad_scaler(optimizer, init_scale=2.0**12, enabled=precision == F16)
+    carry = (params, state, optimizer.init(params), jax.random.key(1))
+    step = make_step(optimizer, precision)
+    carry, losses = run_steps(jax.jit(step), carry, BATCHES)
+    return carry, losses, step
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_padded_attention_lm_with_batchnorm_trains_like_float32(precision):
+    (_, ref_state, _, _), reference, _ = train(None)
+    carry, losses, step = train(precision)
+    assert_trains_like(reference, losses, rtol=0.05, label=np.dtype(precision).name)
+    _, state, opt_state, _ = carry
+    if precision == F16:
+        assert int(jaxscale.skipped_steps(opt_state)) == 0
+    # BatchNorm's moving averages come back in the dtype Haiku keeps them
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state), strict=True):
+        assert got.dtype == want.dtype
+        np.testing.assert_allclose(got, want, rtol=0.1, atol=0.05)
+    assert_all_matmuls_in(precision, jax.make_jaxpr(step)(carry, BATCHES[0]))
+
+
+def test_autocast_inside_hk_transform_raises_naming_the_remedy():
+    def forward(x):
+        return jaxscale.autocast(hk.Linear(4))(x)
+
+    with pytest.raises(RuntimeError) as error:
+        hk.transform(forward).init(jax.random.key(0), jnp.ones((2, 3)))
+    message = str(error.value)
+    assert "jaxscale.autocast(Linear) was called inside hk.transform" in message
+    assert "jaxscale.autocast(transformed.apply)(params, rng, x)" in message

@@ -1,0 +1,218 @@
+"""Flax Linen models, written as Linen users write them, trained under autocast and a scaler.
+
+A Linen loop keeps its parameters in a ``TrainState`` and its optimizer is Optax's,
+so the scaler is the transform ``jaxscale.grad_scaler``; autocast wraps the loss
+that calls ``model.apply``.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+from support.model_training import (
+    assert_all_matmuls_in,
+    assert_trains_like,
+    padded_tokens,
+    run_steps,
+)
+from support.third_party import standard_promotion
+
+import jaxscale
+
+F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
+PRECISIONS = [pytest.param(F16, id="float16"), pytest.param(BF16, id="bfloat16")]
+VOCAB, LENGTH, WIDTH = 20, 8, 32
+
+
+@pytest.fixture(autouse=True)
+def _standard_promotion():
+    with standard_promotion():
+        yield
+
+
+class EncoderDecoder(nn.Module):
+    """A translation-style model: padded source, padded target, self- and cross-attention."""
+
+    @nn.compact
+    def __call__(self, source, target, *, train: bool):
+        embed = nn.Embed(VOCAB, WIDTH)
+        source_mask = nn.make_attention_mask(source > 0, source > 0)
+        encoded = embed(source)
+        normed = nn.LayerNorm()(encoded)
+        encoded = encoded + nn.MultiHeadDotProductAttention(num_heads=2, dropout_rate=0.1)(
+            normed, normed, mask=source_mask, deterministic=not train
+        )
+        decoder_mask = nn.combine_masks(
+            nn.make_attention_mask(target > 0, target > 0), nn.make_causal_mask(target)
+        )
+        cross_mask = nn.make_attention_mask(target > 0, source > 0)
+        x = embed(target)
+        normed = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=2)(normed, normed, mask=decoder_mask)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=2)(
+            nn.LayerNorm()(x), encoded, mask=cross_mask
+        )
+        x = x + nn.Dropout(0.1, deterministic=not train)(nn.Dense(WIDTH)(nn.relu(nn.Dense(64)(x))))
+        return nn.Dense(VOCAB)(nn.LayerNorm()(x))
+
+
+MODEL = EncoderDecoder()
+
+
+def seq2seq_loss(params, batch, dropout_key):
+    source, target = batch
+    logits = MODEL.apply(
+        {"params": params}, source, target[:, :-1], train=True, rngs={"dropout": dropout_key}
+    )
+    weights = (target[:, 1:] > 0).astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, target[:, 1:])
+    return jnp.sum(losses * weights) / jnp.sum(weights)
+
+
+def make_step(loss_fn, precision):
+    def step(state, batch):
+        dropout_key = jax.random.fold_in(jax.random.key(1), state.step)
+
+        def scaled_loss(params):
+            if precision is None:
+                loss = loss_fn(params, batch, dropout_key)
+                return loss, loss
+            loss = jaxscale.autocast(loss_fn, dtype=precision)(params, batch, dropout_key)
+            return jaxscale.scale(loss, state.opt_state), loss
+
+        grads, loss = jax.grad(scaled_loss, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    return step
+
+
+def new_state(params, precision, lr=3e-3):
+    tx = optax.adam(lr)
+    if precision is not None:
+        tx = jaxscale.grad_scaler(tx, init_scale=2.0**12, enabled=precision == F16)
+    return train_state.TrainState.create(apply_fn=MODEL.apply, params=params, tx=tx)
+
+
+def _seq2seq_batch(seed):
+    return (
+        jnp.asarray(padded_tokens(seed, 4, LENGTH, VOCAB)),
+        jnp.asarray(padded_tokens(seed + 100, 4, LENGTH + 1, VOCAB)),
+    )
+
+
+SEQ2SEQ = [_seq2seq_batch(seed) for seed in range(12)]
+PARAMS = MODEL.init(jax.random.key(0), *SEQ2SEQ[0], train=False)["params"]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_encoder_decoder_with_padded_cross_attention_trains_like_float32(precision):
+    _, reference = run_steps(
+        jax.jit(make_step(seq2seq_loss, None)), new_state(PARAMS, None), SEQ2SEQ
+    )
+    state, losses = run_steps(
+        jax.jit(make_step(seq2seq_loss, precision)), new_state(PARAMS, precision), SEQ2SEQ
+    )
+    assert_trains_like(reference, losses, rtol=0.05, label=np.dtype(precision).name)
+    if precision == F16:
+        assert int(jaxscale.skipped_steps(state.opt_state)) == 0
+    jaxpr = jax.make_jaxpr(make_step(seq2seq_loss, precision))(
+        new_state(PARAMS, precision), SEQ2SEQ[0]
+    )
+    assert_all_matmuls_in(precision, jaxpr)
+
+
+class ScannedResidualStack(nn.Module):
+    """Layers stacked with nn.scan, each rematerialised with nn.remat."""
+
+    @nn.compact
+    def __call__(self, x):
+        class Layer(nn.Module):
+            @nn.compact
+            def __call__(self, carry, _):
+                return carry + jnp.tanh(nn.Dense(WIDTH)(carry)), None
+
+        stack = nn.scan(
+            nn.remat(Layer),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=3,
+        )
+        x, _ = stack()(nn.Dense(WIDTH)(x), None)
+        return nn.Dense(1)(x)
+
+
+class BatchNormNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, *, train: bool):
+        x = nn.Conv(8, (3, 3))(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        x = nn.avg_pool(nn.relu(x), (2, 2), strides=(2, 2))
+        return nn.Dense(3)(x.reshape(x.shape[0], -1))
+
+
+def test_scan_over_remat_layers_trains_in_float16():
+    model = ScannedResidualStack()
+    data = [
+        (jnp.asarray(x, F32), jnp.asarray(np.sin(x.sum(-1, keepdims=True)), F32))
+        for x in (np.random.default_rng(seed).normal(size=(16, 4)) for seed in range(12))
+    ]
+
+    def loss_fn(params, batch, _):
+        x, y = batch
+        return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
+
+    params = model.init(jax.random.key(0), data[0][0])["params"]
+    _, reference = run_steps(jax.jit(make_step(loss_fn, None)), new_state(params, None, 1e-2), data)
+    state, losses = run_steps(jax.jit(make_step(loss_fn, F16)), new_state(params, F16, 1e-2), data)
+    assert_trains_like(reference, losses, rtol=0.1, label="float16")
+    assert_all_matmuls_in(F16, jax.make_jaxpr(make_step(loss_fn, F16))(state, data[0]))
+
+
+def test_batchnorm_statistics_come_back_through_mutable_collections():
+    model = BatchNormNet()
+    rng = np.random.default_rng(0)
+    images = jnp.asarray(rng.normal(size=(8, 8, 8, 1)), F32)
+    variables = model.init(jax.random.key(0), images, train=False)
+
+    def forward(variables, images):
+        return model.apply(variables, images, train=True, mutable=["batch_stats"])
+
+    logits, updates = jax.jit(jaxscale.autocast(forward))(variables, images)
+    ref_logits, ref_updates = forward(variables, images)
+    assert logits.dtype == F16
+    stats = updates["batch_stats"]["BatchNorm_0"]
+    assert stats["mean"].dtype == F32  # as the module keeps them
+    np.testing.assert_allclose(
+        stats["mean"], ref_updates["batch_stats"]["BatchNorm_0"]["mean"], atol=2e-3
+    )
+    np.testing.assert_allclose(np.asarray(logits, np.float32), ref_logits, rtol=0.05, atol=0.05)
+
+
+def test_autocast_inside_a_linen_module_raises_naming_the_remedy():
+    class Inner(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jaxscale.autocast(nn.Dense(4))(x)
+
+    with pytest.raises(RuntimeError) as error:
+        Inner().init(jax.random.key(0), jnp.ones((2, 3)))
+    message = str(error.value)
+    assert "jaxscale.autocast(Dense) was called inside a Flax Linen module method" in message
+    assert "jaxscale.autocast(model.apply)(variables, x)" in message
+
+
+def test_a_disabled_region_inside_a_linen_module_is_allowed():
+    class Inner(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jaxscale.autocast(nn.Dense(4), enabled=False)(x)
+
+    model = Inner()
+    variables = model.init(jax.random.key(0), jnp.ones((2, 3)))
+    out = jaxscale.autocast(model.apply)(variables, jnp.ones((2, 3)))
+    assert out.dtype == F32

@@ -1,0 +1,314 @@
+"""Flax NNX models, written as NNX users write them, trained under autocast and a scaler.
+
+Each model is trained three ways on the same data: float32; float16 autocast with
+``jaxscale.GradScaler``; bfloat16 autocast. The only change to the float32 loop is
+the two AMP lines. Every matmul and convolution must run in the autocast dtype,
+forward and backward, and the loss curves must follow float32's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from support.model_training import (
+    assert_all_matmuls_in,
+    assert_trains_like,
+    equations,
+    padded_tokens,
+)
+from support.third_party import standard_promotion
+
+import jaxscale
+
+F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
+PRECISIONS = [pytest.param(F16, id="float16"), pytest.param(BF16, id="bfloat16")]
+VOCAB, LENGTH, WIDTH = 24, 8, 32
+
+
+@pytest.fixture(autouse=True)
+def _standard_promotion():
+    with standard_promotion():
+        yield
+
+
+class Block(nnx.Module):
+    def __init__(self, width: int, rngs: nnx.Rngs):
+        self.attention = nnx.MultiHeadAttention(
+            num_heads=2,
+            in_features=width,
+            dropout_rate=0.1,
+            decode=False,
+            deterministic=False,
+            rngs=rngs,
+        )
+        self.norm1, self.norm2 = nnx.LayerNorm(width, rngs=rngs), nnx.LayerNorm(width, rngs=rngs)
+        self.up, self.down = (
+            nnx.Linear(width, 2 * width, rngs=rngs),
+            nnx.Linear(2 * width, width, rngs=rngs),
+        )
+        self.dropout = nnx.Dropout(0.1)
+
+    def __call__(self, x, mask, rngs):
+        x = x + self.attention(self.norm1(x), mask=mask, rngs=rngs)
+        return x + self.dropout(self.down(nnx.gelu(self.up(self.norm2(x)))), rngs=rngs)
+
+
+class TinyLM(nnx.Module):
+    """Decoder-only LM with padding: padded query rows are fully masked."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+        self.blocks = nnx.List([Block(WIDTH, rngs) for _ in range(2)])
+        self.out = nnx.Linear(WIDTH, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens, rngs):
+        mask = nnx.combine_masks(
+            nnx.make_attention_mask(tokens > 0, tokens > 0), nnx.make_causal_mask(tokens)
+        )
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, mask, rngs)
+        return self.out(x)
+
+
+def lm_loss(model, tokens, rngs):
+    logits = model(tokens[:, :-1], rngs)
+    targets, weights = tokens[:, 1:], (tokens[:, 1:] > 0).astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return jnp.sum(losses * weights) / jnp.sum(weights)
+
+
+def make_step(loss_fn, precision):
+    """The NNX loop of a float32 user, plus the two AMP lines when ``precision`` is set."""
+
+    def step(model, optimizer, scaler, batch, rngs):
+        def scaled_loss(model, batch, rngs):
+            if precision is None:
+                loss = loss_fn(model, batch, rngs)
+                return loss, loss
+            loss = jaxscale.autocast(loss_fn, dtype=precision)(model, batch, rngs)
+            return scaler.scale(loss), loss
+
+        grads, loss = nnx.grad(scaled_loss, has_aux=True)(model, batch, rngs)
+        scaler.step(optimizer, model, grads)
+        scaler.update()
+        return loss
+
+    return step
+
+
+def train(model_fn, loss_fn, precision, batches, lr=3e-3):
+    model = model_fn(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
+    scaler = jaxscale.GradScaler(enabled=precision == F16, init_scale=2.0**12)
+    rngs = nnx.Rngs(dropout=1)
+    step = nnx.jit(make_step(loss_fn, precision))
+    losses = [float(step(model, optimizer, scaler, batch, rngs)) for batch in batches]
+    return losses, (model, optimizer, scaler, rngs)
+
+
+def traced_step(model_fn, loss_fn, precision, batch):
+    """The jaxpr of one training step (forward, backward, update), NNX state made explicit."""
+    objects = (model_fn(nnx.Rngs(0)), None, None, nnx.Rngs(dropout=1))
+    model = objects[0]
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    scaler = jaxscale.GradScaler(enabled=precision == F16)
+    graphdef, state = nnx.split((model, optimizer, scaler, objects[3]))
+
+    def pure(state, batch):
+        model, optimizer, scaler, rngs = nnx.merge(graphdef, state)
+        loss = make_step(loss_fn, precision)(model, optimizer, scaler, batch, rngs)
+        return loss, nnx.state((model, optimizer, scaler, rngs))
+
+    return jax.make_jaxpr(pure)(state, batch)
+
+
+LM_BATCHES = [jnp.asarray(padded_tokens(seed, 4, LENGTH + 1, VOCAB)) for seed in range(12)]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_padded_transformer_lm_trains_like_float32(precision):
+    reference, _ = train(TinyLM, lm_loss, None, LM_BATCHES)
+    losses, (_, _, scaler, _) = train(TinyLM, lm_loss, precision, LM_BATCHES)
+    assert_trains_like(reference, losses, rtol=0.05, label=np.dtype(precision).name)
+    if precision == F16:
+        assert int(scaler.skipped_steps()) == 0  # a fully masked padding row is no NaN
+    assert_all_matmuls_in(precision, traced_step(TinyLM, lm_loss, precision, LM_BATCHES[0]))
+
+
+def test_a_fully_masked_attention_row_is_uniform_not_nan():
+    # the padding query row sees no key: PyTorch's masked_fill(finfo(scores.dtype).min)
+    # gives uniform weights there, and so must the float32 mask constant narrowed to float16
+    attention = nnx.MultiHeadAttention(
+        num_heads=1, in_features=8, decode=False, deterministic=True, rngs=nnx.Rngs(0)
+    )
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 3, 8)), F32)
+    valid = jnp.array([[True, True, False]])
+    mask = nnx.make_attention_mask(valid, valid)
+    for dtype in (F16, BF16):
+        out = jaxscale.autocast(attention, dtype=dtype)(x, mask=mask)
+        assert np.all(np.isfinite(np.asarray(out, np.float32))), dtype
+        np.testing.assert_allclose(
+            np.asarray(out, np.float32), attention(x, mask=mask), rtol=0.05, atol=0.05
+        )
+
+
+class Layer(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x):
+        return jnp.tanh(checkpoint_name(self.linear(x), "hidden")) + x
+
+
+class ScannedMLP(nnx.Module):
+    """Layers created with nnx.vmap and run with nnx.scan, each rematerialised with a
+    policy that saves only the named hidden activation."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.inp = nnx.Linear(4, WIDTH, rngs=rngs)
+
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs):
+            return Layer(rngs)
+
+        self.layers = make_layers(rngs)
+        self.out = nnx.Linear(WIDTH, 1, rngs=rngs)
+
+    def __call__(self, x):
+        policy = jax.checkpoint_policies.save_only_these_names("hidden")
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        @nnx.remat(policy=policy)
+        def run(x, layer):
+            return layer(x)
+
+        return self.out(run(self.inp(x), self.layers))
+
+
+def regression_loss(model, batch, rngs):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+REGRESSION = [
+    (jnp.asarray(x, F32), jnp.asarray(np.sin(x.sum(-1, keepdims=True)), F32))
+    for x in (np.random.default_rng(seed).normal(size=(16, 4)) for seed in range(12))
+]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_scan_over_layers_with_a_named_remat_policy(precision):
+    reference, _ = train(ScannedMLP, regression_loss, None, REGRESSION, lr=1e-2)
+    losses, _ = train(ScannedMLP, regression_loss, precision, REGRESSION, lr=1e-2)
+    assert_trains_like(reference, losses, rtol=0.1, label=np.dtype(precision).name)
+    jaxpr = traced_step(ScannedMLP, regression_loss, precision, REGRESSION[0])
+    assert_all_matmuls_in(precision, jaxpr)
+    # the saved residual is the float16 activation: checkpoint_name keeps its dtype
+    named = [e for e in equations(jaxpr) if e.primitive.name == "name"]
+    assert named
+    assert {str(e.outvars[0].aval.dtype) for e in named} == {np.dtype(precision).name}
+
+
+class ConvNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(1, 8, (3, 3), rngs=rngs)
+        self.norm = nnx.BatchNorm(8, rngs=rngs)
+        self.conv2 = nnx.Conv(8, 8, (3, 3), rngs=rngs)
+        self.dropout = nnx.Dropout(0.1)
+        self.head = nnx.Linear(8 * 4 * 4, 3, rngs=rngs)
+
+    def __call__(self, x, rngs):
+        x = nnx.avg_pool(nnx.relu(self.norm(self.conv1(x))), (2, 2), strides=(2, 2))
+        x = nnx.max_pool(nnx.relu(self.conv2(x)), (2, 2), strides=(2, 2))
+        return self.head(self.dropout(x.reshape(x.shape[0], -1), rngs=rngs))
+
+
+def classification_loss(model, batch, rngs):
+    images, labels = batch
+    return optax.softmax_cross_entropy_with_integer_labels(model(images, rngs), labels).mean()
+
+
+def _images(seed):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 3, 16)
+    images = rng.normal(size=(16, 16, 16, 1)) * 0.5 + labels[:, None, None, None]
+    return jnp.asarray(images, F32), jnp.asarray(labels, jnp.int32)
+
+
+IMAGES = [_images(seed) for seed in range(12)]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_batchnorm_cnn_with_dropout_trains_and_keeps_its_statistics(precision):
+    reference, (ref_model, *_) = train(ConvNet, classification_loss, None, IMAGES)
+    losses, (model, *_) = train(ConvNet, classification_loss, precision, IMAGES)
+    assert_trains_like(reference, losses, rtol=0.1, label=np.dtype(precision).name)
+    assert model.norm.mean[...].dtype == F32  # the module's own dtype
+    np.testing.assert_allclose(model.norm.mean[...], ref_model.norm.mean[...], atol=0.05)
+    assert_all_matmuls_in(
+        precision, traced_step(ConvNet, classification_loss, precision, IMAGES[0])
+    )
+
+
+def test_explicit_sharding_mesh_as_in_the_nnx_tutorials():
+    # jax.make_mesh's axes are Explicit: every re-bound operation must keep the mesh
+    # context it was traced under (an out_sharding gather runs under an Auto one)
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        embed = nnx.Embed(VOCAB, WIDTH, rngs=nnx.Rngs(0))
+        head = nnx.Linear(WIDTH, VOCAB, rngs=nnx.Rngs(1))
+        tokens = jax.device_put(jnp.asarray(padded_tokens(0, 4, LENGTH, VOCAB)), P("data"))
+
+        def forward(embed, head, tokens):
+            x = embed(tokens, out_sharding=P("data", None, None))
+            return head(x)
+
+        expected = jax.jit(forward)(embed, head, tokens)
+        got = jax.jit(jaxscale.autocast(forward))(embed, head, tokens)
+        assert got.dtype == F16
+        assert got.sharding == expected.sharding
+        assert isinstance(got.sharding, NamedSharding)
+        np.testing.assert_allclose(np.asarray(got, np.float32), expected, rtol=0.02, atol=0.02)
+        grads = jax.jit(
+            nnx.grad(lambda e, h, t: jnp.mean(jaxscale.autocast(forward)(e, h, t) ** 2))
+        )(embed, head, tokens)
+        assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+@functools.cache
+def _state_lookup_case():
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, jaxscale.grad_scaler(optax.adam(1e-3)), wrt=nnx.Param)
+    return model, optimizer
+
+
+def test_helpers_read_the_state_an_nnx_split_loop_holds():
+    model, optimizer = _state_lookup_case()
+    graphdef, state = nnx.split((model, optimizer))
+
+    @jax.jit
+    def step(state, x):
+        model, optimizer = nnx.merge(graphdef, state)
+        opt_state = nnx.state(optimizer)["opt_state"]
+        grads = nnx.grad(lambda m: jaxscale.scale(jnp.sum(m(x) ** 2), opt_state))(model)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer))
+
+    state = step(state, jnp.ones((1, 2)))
+    opt_state = state[1]["opt_state"]  # an nnx.State, not the optimizer's own tree
+    assert float(jaxscale.get_scale(opt_state)) == 65536.0
+    assert not bool(jaxscale.found_inf(opt_state))
+    assert int(jaxscale.skipped_steps(opt_state)) == 0
+    assert float(jaxscale.metrics(opt_state)["scale"]) == 65536.0
+    assert float(jaxscale.scale(jnp.float32(0.5), opt_state)) == 32768.0
