@@ -3,9 +3,10 @@
 For users who restart, sweep or debug, compile time is step time. Each variant is
 the same Adam train step (a quadratic loss over ``leaves`` parameter arrays of
 ``size`` elements) with a different way to scale the loss and skip non-finite
-steps; the figure is the median over interleaved repeats of the time from a fresh
-``jax.jit`` to a compiled executable (tracing, lowering and XLA's compilation),
-split into the time to lower (trace and emit StableHLO) and the time XLA compiles.
+steps (``benchmarks/recipes.py``); the figure is the median over interleaved
+repeats of the time from a fresh ``jax.jit`` to a compiled executable (tracing,
+lowering and XLA's compilation), split into the time to lower (trace and emit
+StableHLO) and the time XLA compiles.
 Ratios are to the plain step of the same size.
 
     python -m benchmarks.compile_time --leaves 100 500 1000
@@ -14,7 +15,6 @@ Ratios are to the plain step of the same size.
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -22,12 +22,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
-import jaxscale
+from benchmarks import recipes
 from benchmarks.harness import machine
-
-LEARNING_RATE = 1e-3
 
 
 def _params(leaves: int, size: int) -> dict[str, jax.Array]:
@@ -38,55 +35,19 @@ def _loss(params: dict[str, jax.Array]) -> jax.Array:
     return sum(jnp.sum(jnp.square(w - 1.0)) for w in params.values())
 
 
-def _optax_step(kind: str) -> Callable[[Any], tuple[Callable[..., Any], tuple[Any, ...]]]:
-    def build(params: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        inner = optax.adam(LEARNING_RATE)
-        tx = {
-            "plain": inner,
-            "grad_scaler": jaxscale.grad_scaler(inner),
-            "apply_if_finite": optax.apply_if_finite(inner, 10),
-        }[kind]
-
-        def step(params, opt_state):
-            if kind == "grad_scaler":
-                grads = jax.grad(lambda p: jaxscale.scale(_loss(p), opt_state))(params)
-            else:
-                grads = jax.grad(_loss)(params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        return step, (params, tx.init(params))
-
-    return build
-
-
-def _facade_triple(params: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    tx = optax.adam(LEARNING_RATE)
-
-    def step(params, opt_state, scaler):
-        grads = jax.grad(lambda p: scaler.scale(_loss(p)))(params)
-        params, opt_state = scaler.step(tx, grads, opt_state, params)
-        scaler.update()
-        return params, opt_state, scaler
-
-    return step, (params, tx.init(params), jaxscale.GradScaler())
-
-
-VARIANTS: dict[str, Callable[[Any], tuple[Callable[..., Any], tuple[Any, ...]]]] = {
-    "plain": _optax_step("plain"),
-    "grad_scaler": _optax_step("grad_scaler"),
-    "GradScaler triple": _facade_triple,
-    "optax.apply_if_finite": _optax_step("apply_if_finite"),
+VARIANTS = {
+    "plain": recipes.plain,
+    "grad_scaler": recipes.grad_scaler,
+    "GradScaler triple": recipes.facade_triple,
+    "optax.apply_if_finite": recipes.apply_if_finite,
 }
 
 
-def time_compile(build: Callable[[Any], tuple[Callable[..., Any], tuple[Any, ...]]],
-                 params: Any) -> tuple[float, float]:  # fmt: skip
+def time_compile(make: Callable[[Any], recipes.Recipe], params: Any) -> tuple[float, float]:
     """(seconds to lower, seconds for XLA to compile) of a fresh jit of the step."""
-    step, args = build(params)
-    fresh = jax.jit(functools.partial(step))  # a new function object: nothing cached
+    recipe = make(_loss)  # new function objects: nothing cached
     start = time.perf_counter()
-    lowered = fresh.lower(*args)
+    lowered = jax.jit(recipe.step).lower(params, *recipe.init(params))
     lowered_at = time.perf_counter()
     lowered.compile()
     return lowered_at - start, time.perf_counter() - lowered_at
@@ -96,11 +57,11 @@ def run(leaves: int, size: int, repeats: int) -> dict[str, tuple[float, float, f
     """Per variant: (median total seconds, median lower seconds, median compile seconds)."""
     params = _params(leaves, size)
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in VARIANTS}
-    for build in VARIANTS.values():  # warm-up: imports, JAX's own caches
-        time_compile(build, _params(2, size))
+    for make in VARIANTS.values():  # warm-up: imports, JAX's own caches
+        time_compile(make, _params(2, size))
     for _ in range(repeats):
-        for name, build in VARIANTS.items():
-            samples[name].append(time_compile(build, params))
+        for name, make in VARIANTS.items():
+            samples[name].append(time_compile(make, params))
     return {
         name: (
             statistics.median(lower + compile_ for lower, compile_ in values),

@@ -39,19 +39,7 @@ import char_lm
 
 
 def flagship(locate: bool) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    config = char_lm.Config(locate=locate, batch_size=32)
-    vocab = 96
-    model = char_lm.CharTransformer(
-        vocab, config.seq_len, config.width, config.layers, config.heads, nnx.Rngs(0)
-    )
-    optimizer = nnx.Optimizer(model, optax.adam(config.learning_rate), wrt=nnx.Param)
-    scaler = jaxscale.GradScaler(growth_interval=config.growth_interval)
-    graphdef, state = nnx.split((model, optimizer, scaler))
-    body = char_lm.train_step_body(config)
-    tokens = jnp.asarray(
-        np.random.default_rng(0).integers(0, vocab, (config.batch_size, config.seq_len)),
-        jnp.int32,
-    )
+    graphdef, state, body, tokens = char_lm.split_step(char_lm.Config(locate=locate, batch_size=32))
 
     def step(state: Any, x: jax.Array, y: jax.Array, last: Any) -> tuple[Any, ...]:
         live = nnx.merge(graphdef, state)

@@ -11,10 +11,11 @@ Adam on float32 parameters, donated. Two workloads:
 
 Groups, each with its own baseline measured in the same process:
 
-* Optax: ``optax.adam`` alone; ``jaxscale.grad_scaler(adam)``; ``jaxscale.GradScaler``
-  driving the same Optax triple; ``optax.apply_if_finite(adam)``; Flax's
-  ``DynamicScale.value_and_grad`` with the ``jnp.where`` masking of Flax's examples;
-  ``jmp.DynamicLossScale`` with ``jmp.select_tree``.
+* Optax: ``optax.adam`` alone against every recipe of ``benchmarks/recipes.py``:
+  ``jaxscale.grad_scaler(adam)``; ``jaxscale.GradScaler`` driving the same Optax
+  triple; ``optax.apply_if_finite(adam)``; Flax's ``DynamicScale.value_and_grad`` with
+  the ``jnp.where`` masking of Flax's examples; ``jmp.DynamicLossScale`` with
+  ``jmp.select_tree``.
 * NNX: ``nnx.Optimizer.update`` against the same step driven by ``jaxscale.GradScaler``.
 * PyTorch (on its device): ``loss.backward()`` + ``torch.optim.Adam.step()`` against
   the same with ``torch.amp.GradScaler``.
@@ -40,13 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from flax.training.dynamic_scale import DynamicScale
 
 import jaxscale
+from benchmarks import recipes
 from benchmarks.harness import JaxStepper, Result, Stepper, measure, table
-from benchmarks.optimizer_step import fresh, jmp_masked_step, tree
+from benchmarks.optimizer_step import tree
 
-LEARNING_RATE = 1e-3
+LEARNING_RATE = recipes.LEARNING_RATE
 MLP_WIDTH, MLP_DEPTH, MLP_BATCH = 2048, 4, 8
 
 Params = dict[str, jax.Array]
@@ -102,97 +103,20 @@ def workload(spec: str) -> tuple[Loss, Params, Any]:
     return quadratic(int(float(count.rstrip("M")) * 1_000_000), int(leaves))
 
 
-# -- Optax-level variants: each returns a JaxStepper ----------------------------------------------
+# -- Optax-level recipes (benchmarks/recipes.py) ---------------------------------------------------
 
 
-def optax_variant(kind: str) -> Callable[[Loss, Params, Any], JaxStepper]:
-    def make(loss: Loss, params: Params, batch: Any) -> JaxStepper:
-        inner = optax.adam(LEARNING_RATE)
-        tx = {
-            "adam": inner,
-            "grad_scaler": jaxscale.grad_scaler(inner),
-            "apply_if_finite": optax.apply_if_finite(inner, 10),
-        }[kind]
+def optax_group(n_leaves: int) -> dict[str, Callable[[Loss, Params, Any], Stepper]]:
+    """Each recipe as a factory of a Stepper from ``(loss, params, batch)``."""
 
-        @functools.partial(jax.jit, donate_argnums=(0, 1))
-        def step(params, opt_state, batch):
-            if kind == "grad_scaler":
-                grads = jax.grad(lambda p: jaxscale.scale(loss(p, batch), opt_state))(params)
-            else:
-                grads = jax.grad(loss)(params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
+    def factory(name: str) -> Callable[[Loss, Params, Any], Stepper]:
+        return lambda loss, params, batch: recipes.RECIPES[name](loss).stepper(params, (batch,))
 
-        p = fresh(params)
-        return JaxStepper(step, (p, tx.init(p)), (batch,))
-
-    return make
-
-
-def facade_triple(loss: Loss, params: Params, batch: Any) -> JaxStepper:
-    tx = optax.adam(LEARNING_RATE)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-    def step(params, opt_state, scaler, batch):
-        grads = jax.grad(lambda p: scaler.scale(loss(p, batch)))(params)
-        params, opt_state = scaler.step(tx, grads, opt_state, params)
-        scaler.update()
-        return params, opt_state, scaler
-
-    p = fresh(params)
-    return JaxStepper(step, (p, tx.init(p), jaxscale.GradScaler()), (batch,))
-
-
-def flax_dynamic_scale(loss: Loss, params: Params, batch: Any) -> JaxStepper:
-    """Flax's recipe: ``DynamicScale.value_and_grad``, then ``jnp.where`` on state and params."""
-    tx = optax.adam(LEARNING_RATE)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-    def step(params, opt_state, ds, batch):
-        ds, is_finite, _, grads = ds.value_and_grad(loss)(params, batch)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        keep = functools.partial(jnp.where, is_finite)
-        return (
-            jax.tree.map(keep, new_params, params),
-            jax.tree.map(keep, new_opt_state, opt_state),
-            ds,
-        )
-
-    p = fresh(params)
-    return JaxStepper(step, (p, tx.init(p), DynamicScale()), (batch,))
-
-
-def jmp_loss_scale(loss: Loss, params: Params, batch: Any) -> JaxStepper:
-    """jmp's recipe: scale, grad, unscale, ``all_finite``, ``adjust``, ``select_tree``."""
-    import jmp
-
-    tx = optax.adam(LEARNING_RATE)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-    def step(params, opt_state, loss_scale, batch):
-        grads = jax.grad(lambda p: loss_scale.scale(loss(p, batch)))(params)
-        return jmp_masked_step(tx, params, opt_state, loss_scale, grads)
-
-    p = fresh(params)
-    scale = jmp.DynamicLossScale(jnp.float32(2.0**15))
-    return JaxStepper(step, (p, tx.init(p), scale), (batch,))
-
-
-OPTAX_GROUP = {
-    "optax.adam (baseline)": optax_variant("adam"),
-    "jaxscale.grad_scaler(adam)": optax_variant("grad_scaler"),
-    "jaxscale.GradScaler, optax triple": facade_triple,
-    "optax.apply_if_finite(adam)": optax_variant("apply_if_finite"),
-    "flax DynamicScale.value_and_grad + jnp.where": flax_dynamic_scale,
-    "jmp.DynamicLossScale + select_tree": jmp_loss_scale,
-}
-# Per-leaf reduction chains of these two take minutes to compile at 500 leaves on 2 cores.
-SLOW_TO_COMPILE = [
-    "flax DynamicScale.value_and_grad + jnp.where",
-    "jmp.DynamicLossScale + select_tree",
-]
-MAX_LEAVES_FOR_SLOW = 100
+    return {
+        name: factory(name)
+        for name in recipes.RECIPES
+        if n_leaves <= recipes.MAX_LEAVES_FOR_SLOW or name not in recipes.SLOW_TO_COMPILE
+    }
 
 
 # -- NNX ------------------------------------------------------------------------------------------
@@ -332,10 +256,6 @@ def run(spec: str, repeats: int, torch_device: str | None) -> dict[str, list[Res
     def bind(group: dict[str, Callable[..., Stepper]]) -> dict[str, Callable[[], Stepper]]:
         return {name: functools.partial(make, loss, params, batch) for name, make in group.items()}
 
-    optax_group = dict(OPTAX_GROUP)
-    if n_leaves > MAX_LEAVES_FOR_SLOW:
-        for name in SLOW_TO_COMPILE:
-            optax_group.pop(name)
     stats: dict[str, str] = {}
 
     def with_stats(name: str, make: Callable[[], Stepper]) -> Callable[[], Stepper]:
@@ -348,8 +268,8 @@ def run(spec: str, repeats: int, torch_device: str | None) -> dict[str, list[Res
 
     groups = {
         "optax": measure(
-            {name: with_stats(name, make) for name, make in bind(optax_group).items()},
-            "optax.adam (baseline)",
+            {name: with_stats(name, make) for name, make in bind(optax_group(n_leaves)).items()},
+            recipes.BASELINE,
             repeats=repeats,
         ),
         "nnx": measure(bind(NNX_GROUP), "nnx.Optimizer (baseline)", repeats=repeats),

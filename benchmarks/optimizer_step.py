@@ -2,14 +2,13 @@
 
 For every parameter layout (10M or 100M float32 parameters in 50 or 500 leaves)
 each variant runs ``update`` + ``apply_updates`` under ``jax.jit`` with the
-parameters and optimizer state donated, on the same finite gradients. Groups
-and their baselines:
+parameters and optimizer state donated, on the same finite gradients, read from
+memory (the loss is ``recipes.given_gradients``, whose gradient is the given array
+times the loss scale). Groups and their baselines:
 
-* Optax: ``optax.adam`` alone, against jaxscale's ``grad_scaler``, jaxscale's
-  ``GradScaler`` driving the same Optax triple, ``optax.apply_if_finite``, Flax's
-  ``DynamicScale`` (its ``value_and_grad`` post-processing followed by the
-  ``jnp.where`` masking of Flax's ImageNet example) and ``jmp`` (``unscale``,
-  ``all_finite``, ``adjust``, ``select_tree``);
+* Optax: ``optax.adam`` alone against every recipe of ``benchmarks/recipes.py``:
+  jaxscale's ``grad_scaler`` and ``GradScaler`` driving an Optax triple,
+  ``optax.apply_if_finite``, Flax's ``DynamicScale`` and jmp's ``DynamicLossScale``;
 * NNX: ``nnx.Optimizer.update`` under ``nnx.jit`` with model and optimizer
   donated, against the same step driven by ``jaxscale.GradScaler``;
 * PyTorch: ``torch.optim.Adam.step()``, against ``GradScaler.step`` + ``update``
@@ -28,12 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from flax.training import dynamic_scale as flax_dynamic_scale
 
 import jaxscale
-from benchmarks.harness import JaxStepper, Result, Stepper, measure
+from benchmarks import recipes
+from benchmarks.harness import Result, Stepper, measure
 
-LEARNING_RATE = 1e-3
+LEARNING_RATE = recipes.LEARNING_RATE
 
 
 def tree(n_params: int, n_leaves: int, seed: int) -> dict[str, jax.Array]:
@@ -45,100 +44,24 @@ def tree(n_params: int, n_leaves: int, seed: int) -> dict[str, jax.Array]:
     }
 
 
-def fresh(params: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    return jax.tree.map(jnp.copy, params)
+# -- Optax-level recipes (benchmarks/recipes.py) on the given gradients ---------------------------
 
 
-# -- JAX variants: each returns a factory of a Stepper ---------------------------------------------
+def optax_group(n_leaves: int) -> dict[str, Any]:
+    """Each recipe as a factory of a Stepper from ``(params, grads)``."""
+    names = [
+        name
+        for name in recipes.RECIPES
+        if n_leaves <= MAX_LEAVES_FOR_SLOW or name not in recipes.SLOW_TO_COMPILE
+    ]
 
+    def factory(name: str) -> Any:
+        def make(params: Any, grads: Any) -> Stepper:
+            return recipes.RECIPES[name](recipes.given_gradients).stepper(params, (grads,))
 
-def wrapped_adam(wrap):
-    def make(params, grads):
-        tx = wrap(optax.adam(LEARNING_RATE))
+        return make
 
-        @functools.partial(jax.jit, donate_argnums=(0, 1))
-        def step(params, opt_state, grads):
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        p = fresh(params)
-        return JaxStepper(step, (p, tx.init(p)), (grads,))
-
-    return make
-
-
-plain_adam = wrapped_adam(lambda tx: tx)
-
-
-def facade_optax_triple(params, grads):
-    tx = optax.adam(LEARNING_RATE)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-    def step(params, opt_state, scaler, grads):
-        params, opt_state = scaler.step(tx, grads, opt_state, params)
-        scaler.update()
-        return params, opt_state, scaler
-
-    p = fresh(params)
-    scaler = jaxscale.GradScaler()
-    scaler.scale(jnp.float32(0.0))  # PyTorch's rule: scale() before the first step
-    return JaxStepper(step, (p, tx.init(p), scaler), (grads,))
-
-
-def flax_dynamic_scale_recipe(params, grads):
-    """Flax's DynamicScale: the post-processing of its value_and_grad, then the ImageNet masking."""
-    tx = optax.adam(LEARNING_RATE)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-    def step(params, opt_state, ds, grads):
-        grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32) / ds.scale, grads)
-        finite = jnp.array(True)
-        for g in jax.tree_util.tree_leaves(grads):
-            finite &= jnp.all(jax.lax.is_finite(g))
-        grow = ds.fin_steps == ds.growth_interval
-        fin_scale = jnp.where(
-            grow & finite,
-            jnp.minimum(ds.scale * ds.growth_factor, jnp.finfo(jnp.float32).max),
-            ds.scale,
-        )
-        new_scale = jnp.where(finite, fin_scale, ds.scale * ds.backoff_factor)
-        ds = ds.replace(fin_steps=jnp.where(grow | ~finite, 0, ds.fin_steps + 1), scale=new_scale)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        new_opt_state = jax.tree.map(functools.partial(jnp.where, finite), new_opt_state, opt_state)
-        new_params = jax.tree.map(functools.partial(jnp.where, finite), new_params, params)
-        return new_params, new_opt_state, ds
-
-    p = fresh(params)
-    return JaxStepper(step, (p, tx.init(p), flax_dynamic_scale.DynamicScale()), (grads,))
-
-
-def jmp_masked_step(tx, params, opt_state, loss_scale, grads):
-    """jmp's recipe after the backward pass: unscale, check, adjust, update, select_tree."""
-    import jmp
-
-    grads = loss_scale.unscale(grads)
-    finite = jmp.all_finite(grads)
-    loss_scale = loss_scale.adjust(finite)
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    new_params, new_opt_state = jmp.select_tree(
-        finite, (new_params, new_opt_state), (params, opt_state)
-    )
-    return new_params, new_opt_state, loss_scale
-
-
-def jmp_recipe(params, grads):
-    import jmp
-
-    tx = optax.adam(LEARNING_RATE)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-    def step(params, opt_state, loss_scale, grads):
-        return jmp_masked_step(tx, params, opt_state, loss_scale, grads)
-
-    p = fresh(params)
-    return JaxStepper(step, (p, tx.init(p), jmp.DynamicLossScale(jnp.float32(2.0**15))), (grads,))
+    return {name: factory(name) for name in names}
 
 
 class NnxStepper(Stepper):
@@ -232,16 +155,9 @@ def torch_variants(device: str):
 
 # -- groups ----------------------------------------------------------------------------------------
 
-OPTAX_GROUP = {
-    "optax.adam (baseline)": plain_adam,
-    "jaxscale.grad_scaler(adam)": wrapped_adam(jaxscale.grad_scaler),
-    "jaxscale.GradScaler, optax triple": facade_optax_triple,
-    "optax.apply_if_finite(adam)": wrapped_adam(lambda tx: optax.apply_if_finite(tx, 10)),
-    "flax DynamicScale + jnp.where masking": flax_dynamic_scale_recipe,
-    "jmp.DynamicLossScale + select_tree": jmp_recipe,
-}
-SLOW_TO_COMPILE = ["flax DynamicScale + jnp.where masking", "jmp.DynamicLossScale + select_tree"]
-MAX_LEAVES_FOR_RECIPES = int(os.environ.get("JAXSCALE_BENCH_RECIPE_MAX_LEAVES", "100"))
+MAX_LEAVES_FOR_SLOW = int(
+    os.environ.get("JAXSCALE_BENCH_RECIPE_MAX_LEAVES", recipes.MAX_LEAVES_FOR_SLOW)
+)
 NNX_GROUP = {
     "nnx.Optimizer (baseline)": nnx_variant(False),
     "jaxscale.GradScaler + nnx.Optimizer": nnx_variant(True),
@@ -258,13 +174,7 @@ def run_layout(
     def bind(factories: dict[str, Any]) -> dict[str, Any]:
         return {name: functools.partial(make, params, grads) for name, make in factories.items()}
 
-    optax_group = dict(OPTAX_GROUP)
-    if n_leaves > MAX_LEAVES_FOR_RECIPES:
-        # Their per-leaf reduction chains take minutes and many GB to compile at 500 leaves
-        # on a 2-core machine (flax: 135 s and 4.5 GB at 10M/500; jmp: longer).
-        for name in SLOW_TO_COMPILE:
-            optax_group.pop(name)
-    groups["optax"] = measure(bind(optax_group), "optax.adam (baseline)", repeats=repeats)
+    groups["optax"] = measure(bind(optax_group(n_leaves)), recipes.BASELINE, repeats=repeats)
     groups["nnx"] = measure(bind(NNX_GROUP), "nnx.Optimizer (baseline)", repeats=repeats)
     if torch_device is not None:
         groups["torch"] = measure(

@@ -4,7 +4,8 @@ The model is the main example's character transformer (``examples/char_lm.py``),
 written in float32 and run under ``jaxscale.autocast`` (float16 matmuls, float32
 softmax, norms and loss), as the example trains it. Every variant computes the same
 loss on the same batch under ``jax.jit`` with the parameters and optimizer state
-donated; the baseline trains in float16 without any loss scaling. The NNX group
+donated; the baseline trains in float16 without any loss scaling. The Optax group
+is every recipe of ``benchmarks/recipes.py``. The NNX group
 compares ``nnx.Optimizer.update`` under ``nnx.jit`` with the same step driven by
 ``jaxscale.GradScaler``.
 """
@@ -12,7 +13,6 @@ compares ``nnx.Optimizer.update`` under ``nnx.jit`` with the same step driven by
 from __future__ import annotations
 
 import argparse
-import functools
 import pathlib
 import sys
 
@@ -21,16 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from flax.training import dynamic_scale as flax_dynamic_scale
 
 import jaxscale
-from benchmarks.harness import JaxStepper, Result, Stepper, measure, table
-from benchmarks.optimizer_step import jmp_masked_step
+from benchmarks import recipes
+from benchmarks.harness import Result, Stepper, measure, table
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 import char_lm
 
-LEARNING_RATE = 1e-3
+LEARNING_RATE = recipes.LEARNING_RATE
 AUTOCAST_LOSS = jaxscale.autocast(char_lm.loss_fn)
 
 
@@ -58,78 +57,14 @@ def functional(model):
     return loss, params
 
 
-def optax_variant(kind: str):
+def recipe_variant(name: str):
+    """The recipe ``name`` of ``benchmarks/recipes.py`` on the transformer's loss."""
+
     def make(model, x, y):
         loss, params = functional(model)
-        inner = optax.adam(LEARNING_RATE)
-        if kind == "baseline":
-            tx = inner
-        elif kind == "grad_scaler":
-            tx = jaxscale.grad_scaler(inner)
-        else:
-            tx = optax.apply_if_finite(inner, 10)
-
-        @functools.partial(jax.jit, donate_argnums=(0, 1))
-        def step(params, opt_state, x, y):
-            if kind == "grad_scaler":
-                grads = jax.grad(lambda p: jaxscale.scale(loss(p, x, y), opt_state))(params)
-            else:
-                grads = jax.grad(loss)(params, x, y)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        return JaxStepper(step, (params, tx.init(params)), (x, y))
+        return recipes.RECIPES[name](loss).stepper(params, (x, y))
 
     return make
-
-
-def facade_optax_triple(model, x, y):
-    loss, params = functional(model)
-    tx = optax.adam(LEARNING_RATE)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-    def step(params, opt_state, scaler, x, y):
-        grads = jax.grad(lambda p: scaler.scale(loss(p, x, y)))(params)
-        params, opt_state = scaler.step(tx, grads, opt_state, params)
-        scaler.update()
-        return params, opt_state, scaler
-
-    return JaxStepper(step, (params, tx.init(params), jaxscale.GradScaler()), (x, y))
-
-
-def flax_dynamic_scale_recipe(model, x, y):
-    """Flax's ImageNet example: DynamicScale.value_and_grad, then jnp.where masking."""
-    loss, params = functional(model)
-    tx = optax.adam(LEARNING_RATE)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-    def step(params, opt_state, ds, x, y):
-        ds, is_finite, _, grads = ds.value_and_grad(loss)(params, x, y)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        new_opt_state = jax.tree.map(
-            functools.partial(jnp.where, is_finite), new_opt_state, opt_state
-        )
-        new_params = jax.tree.map(functools.partial(jnp.where, is_finite), new_params, params)
-        return new_params, new_opt_state, ds
-
-    return JaxStepper(step, (params, tx.init(params), flax_dynamic_scale.DynamicScale()), (x, y))
-
-
-def jmp_recipe(model, x, y):
-    import jmp
-
-    loss, params = functional(model)
-    tx = optax.adam(LEARNING_RATE)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-    def step(params, opt_state, loss_scale, x, y):
-        grads = jax.grad(lambda p: loss_scale.scale(loss(p, x, y)))(params)
-        return jmp_masked_step(tx, params, opt_state, loss_scale, grads)
-
-    return JaxStepper(
-        step, (params, tx.init(params), jmp.DynamicLossScale(jnp.float32(2.0**15))), (x, y)
-    )
 
 
 class NnxTrainStepper(Stepper):
@@ -160,14 +95,7 @@ class NnxTrainStepper(Stepper):
         jax.block_until_ready(nnx.state(self.model))
 
 
-OPTAX_GROUP = {
-    "float16, no loss scaling (baseline)": optax_variant("baseline"),
-    "jaxscale.grad_scaler(adam)": optax_variant("grad_scaler"),
-    "jaxscale.GradScaler, optax triple": facade_optax_triple,
-    "optax.apply_if_finite(adam)": optax_variant("apply_if_finite"),
-    "flax DynamicScale + jnp.where masking": flax_dynamic_scale_recipe,
-    "jmp.DynamicLossScale + select_tree": jmp_recipe,
-}
+OPTAX_GROUP = {name: recipe_variant(name) for name in recipes.RECIPES}
 NNX_GROUP = {
     "nnx.Optimizer, no loss scaling (baseline)": lambda m, x, y: NnxTrainStepper(m, x, y, False),
     "jaxscale.GradScaler + nnx.Optimizer": lambda m, x, y: NnxTrainStepper(m, x, y, True),
@@ -194,9 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[Result]]:
         }
 
     groups = {
-        "optax": measure(
-            bind(OPTAX_GROUP), "float16, no loss scaling (baseline)", repeats=args.repeats
-        ),
+        "optax": measure(bind(OPTAX_GROUP), recipes.BASELINE, repeats=args.repeats),
         "nnx": measure(
             bind(NNX_GROUP), "nnx.Optimizer, no loss scaling (baseline)", repeats=args.repeats
         ),
