@@ -7,7 +7,8 @@ steps (``benchmarks/recipes.py``); the figure is the median over interleaved
 repeats of the time from a fresh ``jax.jit`` to a compiled executable (tracing,
 lowering and XLA's compilation), split into the time to lower (trace and emit
 StableHLO) and the time XLA compiles.
-Ratios are to the plain step of the same size.
+Ratios are to the plain step of the same size; the NNX facade's is to the same
+``nnx.Optimizer`` step without loss scaling.
 
     python -m benchmarks.compile_time --leaves 100 500 1000
 """
@@ -22,7 +23,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
+from flax import nnx
 
+import jaxscale
 from benchmarks import recipes
 from benchmarks.harness import machine
 
@@ -35,19 +39,70 @@ def _loss(params: dict[str, jax.Array]) -> jax.Array:
     return sum(jnp.sum(jnp.square(w - 1.0)) for w in params.values())
 
 
-VARIANTS = {
-    "plain": recipes.plain,
-    "grad_scaler": recipes.grad_scaler,
-    "GradScaler triple": recipes.facade_triple,
-    "optax.apply_if_finite": recipes.apply_if_finite,
+Build = Callable[[Any], tuple[Callable[..., Any], tuple[Any, ...]]]
+
+
+def _recipe(make: Callable[[Any], recipes.Recipe]) -> Build:
+    """A recipe of ``benchmarks/recipes.py`` on the quadratic loss: (step, its arguments)."""
+
+    def build(params: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        recipe = make(_loss)  # new function objects: nothing cached
+        return recipe.step, (params, *recipe.init(params))
+
+    return build
+
+
+class _Leaves(nnx.Module):
+    def __init__(self, params: dict[str, jax.Array]):
+        self.leaves = nnx.Dict({k: nnx.Param(v) for k, v in params.items()})
+
+
+def _nnx(with_scaler: bool) -> Build:
+    """``nnx.Optimizer`` (with ``jaxscale.GradScaler``): the step as a pure function of
+    the objects' state, as ``nnx.jit`` runs it."""
+
+    def build(params: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        model = _Leaves(params)
+        optimizer = nnx.Optimizer(model, optax.adam(recipes.LEARNING_RATE), wrt=nnx.Param)
+        objects = (model, optimizer, jaxscale.GradScaler()) if with_scaler else (model, optimizer)
+        graphdef, state = nnx.split(objects)
+
+        def loss(m: _Leaves) -> jax.Array:
+            return _loss({k: v[...] for k, v in m.leaves.items()})
+
+        def step(state: Any) -> Any:
+            live = nnx.merge(graphdef, state)
+            if with_scaler:
+                model, optimizer, scaler = live
+                scaler.step(optimizer, model, nnx.grad(lambda m: scaler.scale(loss(m)))(model))
+                scaler.update()
+            else:
+                model, optimizer = live
+                optimizer.update(model, nnx.grad(loss)(model))
+            return nnx.state(live)
+
+        return step, (state,)
+
+    return build
+
+
+VARIANTS: dict[str, Build] = {
+    "plain": _recipe(recipes.plain),
+    "grad_scaler": _recipe(recipes.grad_scaler),
+    "GradScaler triple": _recipe(recipes.facade_triple),
+    "optax.apply_if_finite": _recipe(recipes.apply_if_finite),
+    "nnx.Optimizer": _nnx(with_scaler=False),
+    "GradScaler + nnx.Optimizer": _nnx(with_scaler=True),
 }
+# Each variant's ratio is to the step it adds loss scaling to.
+BASELINES = {"GradScaler + nnx.Optimizer": "nnx.Optimizer"}
 
 
-def time_compile(make: Callable[[Any], recipes.Recipe], params: Any) -> tuple[float, float]:
+def time_compile(build: Build, params: Any) -> tuple[float, float]:
     """(seconds to lower, seconds for XLA to compile) of a fresh jit of the step."""
-    recipe = make(_loss)  # new function objects: nothing cached
+    step, args = build(params)
     start = time.perf_counter()
-    lowered = jax.jit(recipe.step).lower(params, *recipe.init(params))
+    lowered = jax.jit(step).lower(*args)
     lowered_at = time.perf_counter()
     lowered.compile()
     return lowered_at - start, time.perf_counter() - lowered_at
@@ -57,11 +112,11 @@ def run(leaves: int, size: int, repeats: int) -> dict[str, tuple[float, float, f
     """Per variant: (median total seconds, median lower seconds, median compile seconds)."""
     params = _params(leaves, size)
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in VARIANTS}
-    for make in VARIANTS.values():  # warm-up: imports, JAX's own caches
-        time_compile(make, _params(2, size))
+    for build in VARIANTS.values():  # warm-up: imports, JAX's own caches
+        time_compile(build, _params(2, size))
     for _ in range(repeats):
-        for name, make in VARIANTS.items():
-            samples[name].append(time_compile(make, params))
+        for name, build in VARIANTS.items():
+            samples[name].append(time_compile(build, params))
     return {
         name: (
             statistics.median(lower + compile_ for lower, compile_ in values),
@@ -83,7 +138,8 @@ def table(results: dict[int, dict[str, tuple[float, float, float]]]) -> str:
         cells = [f"{plain:.2f} s (lower {by_name['plain'][1]:.2f})"]
         for name in names[1:]:
             total, lower, _ = by_name[name]
-            cells.append(f"{total / plain:.2f}× (lower {lower:.2f} s)")
+            baseline = by_name[BASELINES.get(name, "plain")][0]
+            cells.append(f"{total / baseline:.2f}× (lower {lower:.2f} s)")
         lines.append(f"| {leaves} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
