@@ -22,6 +22,7 @@ _DEFINITION = re.compile(r"^\s*(%[\w#:]+)\s*=\s*(\"?[\w.]+\"?)(.*)$")
 _TENSOR = re.compile(r"tensor<([^>]*)>")
 _HOST_OPS = ("stablehlo.send", "stablehlo.recv", "stablehlo.infeed", "stablehlo.outfeed")
 _PLATFORMS = ("cuda", "rocm", "tpu", "cpu")
+_JITTED = type(jax.jit(lambda: None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,9 @@ def lowering_report(fn: Callable[..., Any], *args: Any, platform: str = "cuda") 
     the dtypes autocast chose.
 
     Args:
-      fn: the function, jitted or not.
+      fn: the function, plain or ``jax.jit``-ed (its static arguments kept). It must
+        return what it computes: a step that only updates objects in place (an
+        ``nnx.jit`` step returning nothing) lowers to nothing and is refused.
       *args: its arguments (arrays, or ``jax.ShapeDtypeStruct`` for their shapes).
       platform: ``"cuda"``, ``"rocm"``, ``"tpu"`` or ``"cpu"``.
 
@@ -82,9 +85,16 @@ def lowering_report(fn: Callable[..., Any], *args: Any, platform: str = "cuda") 
         raise TypeError(f"lowering_report expects a callable, got {type(fn).__name__} {fn!r}")
     if platform not in _PLATFORMS:
         raise ValueError(f"platform must be one of {', '.join(_PLATFORMS)}; got {platform!r}")
-    jitted: Any = fn if hasattr(fn, "trace") else jax.jit(fn)  # jax.export takes a jit
-    module = jax.export.export(jitted, platforms=[platform])(*args).mlir_module()
-    return analyse_stablehlo(module)
+    # jax.export takes what jax.jit returns; anything else is jitted here, as a nested call.
+    jitted: Any = fn if isinstance(fn, _JITTED) else jax.jit(fn)
+    exported = jax.export.export(jitted, platforms=[platform])(*args)
+    if not exported.out_avals:
+        raise ValueError(
+            f"{getattr(fn, '__name__', 'fn')} returns no arrays, so everything it computes is "
+            "dead code and lowers to nothing: return the step's results (for Flax NNX, "
+            "split the objects and return nnx.state of them, as examples/gpu_lowering.py does)"
+        )
+    return analyse_stablehlo(exported.mlir_module())
 
 
 def analyse_stablehlo(module: str) -> LoweringReport:

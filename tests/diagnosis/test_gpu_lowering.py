@@ -15,7 +15,9 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 from support import paths, third_party
 
 import jaxscale
@@ -125,3 +127,26 @@ def test_lowering_report_takes_a_jitted_function_and_shapes():
 def test_lowering_report_names_a_bad_argument(fn, platform, error, message):
     with pytest.raises(error, match=re.escape(message)):
         jaxscale.lowering_report(fn, jnp.ones(3), platform=platform)
+
+
+def test_lowering_report_refuses_a_step_that_returns_nothing():
+    # An nnx.jit step updates its objects in place and returns nothing: lowered as a
+    # function, all of it is dead code. Reporting an empty program as clean would mislead.
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    scaler = jaxscale.GradScaler()
+
+    @nnx.jit
+    def train_step(model, optimizer, scaler, x):
+        grads = nnx.grad(lambda m: scaler.scale(jnp.sum(m(x) ** 2)))(model)
+        scaler.step(optimizer, model, grads)
+        scaler.update()
+
+    refused = pytest.raises(ValueError, match="train_step returns no arrays, so everything it")
+    with refused, third_party.standard_promotion():  # optax's and flax's own code
+        jaxscale.lowering_report(train_step, model, optimizer, scaler, jnp.ones((3, 4)))
+
+
+def test_lowering_report_keeps_a_jitted_functions_static_arguments():
+    step = jax.jit(lambda x, n: x * n, static_argnums=1)
+    assert jaxscale.lowering_report(step, jnp.ones(3), 2).loops == 0
