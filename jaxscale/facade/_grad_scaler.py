@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import flax.errors
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -49,6 +50,24 @@ _NOT_SCALED_HINT = (
     "earlier in the iteration."
 )
 _ACCELERATORS = {"cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
+def _write(variable: nnx.Variable, value: Any) -> None:
+    """Set ``variable``, or say in jaxscale's terms why a trace may not.
+
+    Flax refuses to set a variable created outside the function being traced; for a
+    scaler that means the scaler was closed over instead of passed in.
+    """
+    try:
+        variable.set_value(value)
+    except flax.errors.TraceContextError as error:
+        raise RuntimeError(
+            "GradScaler.update() cannot record the new scale: the scaler was created outside "
+            "the function being traced (jax.jit, jax.grad, ...) and is used inside it without "
+            "being passed in. Pass the scaler to the jitted function and return it, "
+            "`params, opt_state, scaler = step(params, opt_state, scaler, batch)`, or use "
+            "nnx.jit, which carries it. Nothing was changed."
+        ) from error
 
 
 class ScalerVariable(nnx.Variable):
@@ -238,7 +257,7 @@ class GradScaler(nnx.Pytree):
         return self._state.get_value()
 
     def _set_scaler_state(self, state: ScalerState) -> None:
-        self._state.set_value(state)
+        _write(self._state, state)
         if any(_is_traced(leaf) for leaf in jax.tree.leaves(state)):
             self._iteration.traced_update = True
         else:
@@ -391,7 +410,7 @@ class GradScaler(nnx.Pytree):
             kept = keep_overflow_record(
                 self._origin.get_value(), state.found_inf, nonfinite_report.record
             )
-            self._origin.set_value(kept)
+            _write(self._origin, kept)
             self._origin_report = (type(nonfinite_report), nonfinite_report.origins)
         self._set_scaler_state(state)
         self._iteration.finish()

@@ -157,3 +157,41 @@ def test_a_disabled_scaler_never_refuses():
     scaler.unscale_(optimizer, grads)
     scaler.step(optimizer, model, grads)
     scaler.update()
+
+
+def test_a_scaler_closed_over_by_jax_jit_is_refused_in_jaxscale_terms_and_stays_usable():
+    # Closed over, not passed in: the jitted function cannot write the scaler's state.
+    # Flax's own error names trace levels; jaxscale's names the remedy. Passed in
+    # afterwards, the same scaler trains as a fresh one does.
+    params = {"w": jnp.ones(3)}
+    tx = optax.sgd(0.1)
+    scaler, fresh = GradScaler(init_scale=4.0), GradScaler(init_scale=4.0)
+    before = scaler_bits(scaler)
+
+    @jax.jit
+    def closed_over(params, opt_state):
+        grads = jax.grad(lambda p: scaler.scale(jnp.sum(p["w"] ** 2)))(params)
+        params, opt_state = scaler.step(tx, grads, opt_state, params)
+        scaler.update()
+        return params, opt_state
+
+    with (
+        third_party.standard_promotion(),
+        pytest.raises(
+            RuntimeError, match=re.escape("Pass the scaler to the jitted function and return it")
+        ),
+    ):
+        closed_over(params, tx.init(params))
+    assert scaler_bits(scaler) == before
+
+    @jax.jit
+    def passed_in(params, opt_state, scaler):
+        grads = jax.grad(lambda p: scaler.scale(jnp.sum(p["w"] ** 2)))(params)
+        params, opt_state = scaler.step(tx, grads, opt_state, params)
+        scaler.update()
+        return params, opt_state, scaler
+
+    with third_party.standard_promotion():
+        ours = passed_in(params, tx.init(params), scaler)
+        theirs = passed_in(params, tx.init(params), fresh)
+    assert bits(ours) == bits(theirs)
