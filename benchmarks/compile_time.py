@@ -52,33 +52,20 @@ def _recipe(make: Callable[[Any], recipes.Recipe]) -> Build:
     return build
 
 
-class _Leaves(nnx.Module):
-    def __init__(self, params: dict[str, jax.Array]):
-        self.leaves = nnx.Dict({k: nnx.Param(v) for k, v in params.items()})
-
-
 def _nnx(with_scaler: bool) -> Build:
     """``nnx.Optimizer`` (with ``jaxscale.GradScaler``): the step as a pure function of
     the objects' state, as ``nnx.jit`` runs it."""
 
     def build(params: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        model = _Leaves(params)
+        model = recipes.ParamLeaves(params)
         optimizer = nnx.Optimizer(model, optax.adam(recipes.LEARNING_RATE), wrt=nnx.Param)
         objects = (model, optimizer, jaxscale.GradScaler()) if with_scaler else (model, optimizer)
         graphdef, state = nnx.split(objects)
-
-        def loss(m: _Leaves) -> jax.Array:
-            return _loss({k: v[...] for k, v in m.leaves.items()})
+        body = recipes.nnx_step(_loss, with_scaler)
 
         def step(state: Any) -> Any:
             live = nnx.merge(graphdef, state)
-            if with_scaler:
-                model, optimizer, scaler = live
-                scaler.step(optimizer, model, nnx.grad(lambda m: scaler.scale(loss(m)))(model))
-                scaler.update()
-            else:
-                model, optimizer = live
-                optimizer.update(model, nnx.grad(loss)(model))
+            body(*live)
             return nnx.state(live)
 
         return step, (state,)

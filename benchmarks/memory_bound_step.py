@@ -122,41 +122,21 @@ def optax_group(n_leaves: int) -> dict[str, Callable[[Loss, Params, Any], Steppe
 # -- NNX ------------------------------------------------------------------------------------------
 
 
-class Leaves(nnx.Module):
-    def __init__(self, params: Params):
-        self.leaves = nnx.Dict({k: nnx.Param(jnp.copy(v)) for k, v in params.items()})
-
-
 class NnxStepper(Stepper):
     def __init__(self, loss: Loss, params: Params, batch: Any, with_scaler: bool):
-        self.model = Leaves(params)
+        self.model = recipes.ParamLeaves(params)
         self.optimizer = nnx.Optimizer(self.model, optax.adam(LEARNING_RATE), wrt=nnx.Param)
         self.batch = batch
         self.scaler = jaxscale.GradScaler() if with_scaler else None
-
-        def values(model: Leaves) -> Params:
-            return {k: v[...] for k, v in model.leaves.items()}
-
-        def plain(model, optimizer, batch):
-            grads = nnx.grad(lambda m: loss(values(m), batch))(model)
-            optimizer.update(model, grads)
-
-        def scaled(model, optimizer, scaler, batch):
-            grads = nnx.grad(lambda m: scaler.scale(loss(values(m), batch)))(model)
-            scaler.step(optimizer, model, grads)
-            scaler.update()
-
         # Donating model, optimizer (and scaler) lets XLA update every buffer in place.
-        if self.scaler is None:
-            self.fn = nnx.jit(plain, donate_argnums=(0, 1))
-        else:
-            self.fn = nnx.jit(scaled, donate_argnums=(0, 1, 2))
+        donated = (0, 1, 2) if with_scaler else (0, 1)
+        self.fn = nnx.jit(recipes.nnx_step(loss, with_scaler), donate_argnums=donated)
 
     def step(self) -> None:
-        if self.scaler is None:
-            self.fn(self.model, self.optimizer, self.batch)
-        else:
-            self.fn(self.model, self.optimizer, self.scaler, self.batch)
+        objects = (self.model, self.optimizer)
+        if self.scaler is not None:
+            objects += (self.scaler,)
+        self.fn(*objects, self.batch)
 
     def block(self) -> None:
         jax.block_until_ready(nnx.state(self.model))

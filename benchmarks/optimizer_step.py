@@ -92,16 +92,11 @@ class NnxStepper(Stepper):
         jax.block_until_ready(nnx.state(self.model))
 
 
-class Flat(nnx.Module):
-    def __init__(self, params):
-        self.leaves = nnx.Dict({k: nnx.Param(jnp.copy(v)) for k, v in params.items()})
-
-
 def nnx_variant(with_scaler: bool):
     def make(params, grads):
-        model = Flat(params)
+        model = recipes.ParamLeaves(params)
         optimizer = nnx.Optimizer(model, optax.adam(LEARNING_RATE), wrt=nnx.Param)
-        grad_state = nnx.state(Flat(grads), nnx.Param)
+        grad_state = nnx.state(recipes.ParamLeaves(grads), nnx.Param)
         scaler = None
         if with_scaler:
             scaler = jaxscale.GradScaler()

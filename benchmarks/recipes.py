@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 from flax.training.dynamic_scale import DynamicScale
 
 import jaxscale
@@ -148,6 +149,31 @@ RECIPES: dict[str, Callable[[Loss], Recipe]] = {
 # compile at 500 leaves on 2 cores: run only up to MAX_LEAVES_FOR_SLOW leaves.
 SLOW_TO_COMPILE = ["flax DynamicScale + jnp.where masking", "jmp.DynamicLossScale + select_tree"]
 MAX_LEAVES_FOR_SLOW = 100
+
+
+class ParamLeaves(nnx.Module):
+    """A dict of arrays as an NNX module: one ``nnx.Param`` per leaf (copies)."""
+
+    def __init__(self, params: dict[str, jax.Array]):
+        self.leaves = nnx.Dict({k: nnx.Param(jnp.copy(v)) for k, v in params.items()})
+
+    def values(self) -> dict[str, jax.Array]:
+        return {k: v[...] for k, v in self.leaves.items()}
+
+
+def nnx_step(loss: Loss, with_scaler: bool) -> Callable[..., None]:
+    """``nnx.Optimizer``'s step on a :class:`ParamLeaves` model, with or without
+    ``jaxscale.GradScaler``: ``step(model, optimizer, [scaler,] *batch)``, in place."""
+
+    def plain(model: ParamLeaves, optimizer: nnx.Optimizer, *batch: Any) -> None:
+        optimizer.update(model, nnx.grad(lambda m: loss(m.values(), *batch))(model))
+
+    def scaled(model: ParamLeaves, optimizer: nnx.Optimizer, scaler: Any, *batch: Any) -> None:
+        grads = nnx.grad(lambda m: scaler.scale(loss(m.values(), *batch)))(model)
+        scaler.step(optimizer, model, grads)
+        scaler.update()
+
+    return scaled if with_scaler else plain
 
 
 def given_gradients(params: Any, grads: Any) -> jax.Array:

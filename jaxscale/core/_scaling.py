@@ -216,8 +216,9 @@ def _checked_together(leaves: list[jax.Array]) -> list[jax.Array]:
     return list(lax.reduce(flags, (True,) * len(flags), both, tuple(range(leaves[0].ndim))))
 
 
-def _all_finite_by_leaf(*leaves: jax.Array) -> jax.Array:
-    return jnp.stack([leaf_is_finite(leaf) for leaf in leaves]).all()
+def _elementwise_all_finite(*leaves: jax.Array) -> jax.Array:
+    """``all_finite`` off the CPU: each leaf's elementwise check."""
+    return jnp.stack([_elementwise_check(leaf) for leaf in leaves]).all()
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -242,7 +243,7 @@ def all_finite(tree: Any) -> jax.Array:
         return jnp.asarray(True)
     # Decided here, not inside the branch: JAX caches a traced branch by its function.
     cpu = _cpu_all_finite_grouped if _one_cpu_device() else _cpu_all_finite_by_leaf
-    flag = lax.platform_dependent(*leaves, cpu=cpu, default=_all_finite_by_leaf)
+    flag = lax.platform_dependent(*leaves, cpu=cpu, default=_elementwise_all_finite)
     return _computed_once(flag)
 
 
