@@ -1,9 +1,15 @@
 """Trace + compile time of a train step, by number of parameter leaves.
 
 For users who restart, sweep or debug, compile time is step time. Each variant is
-the same Adam train step (a quadratic loss over ``leaves`` parameter arrays of
-``size`` elements) with a different way to scale the loss and skip non-finite
-steps (``benchmarks/recipes.py``); the figure is the median over interleaved
+the same Adam train step with a different way to scale the loss and skip
+non-finite steps (``benchmarks/recipes.py``), on one of two losses:
+
+* ``mlp``: a chain of ``leaves`` 64×64 layers, ``x = tanh(x @ w)``, on a batch of
+  8, then the mean square: a model, with a forward and a backward pass;
+* ``quadratic``: ``sum((w - 1)**2)`` over ``leaves`` arrays of ``size`` elements,
+  so the step is nothing but the optimizer and the check: the hardest case.
+
+The figure is the median over interleaved
 repeats of the time from a fresh ``jax.jit`` to a compiled executable (tracing,
 lowering and XLA's compilation), split into the time to lower (trace and emit
 StableHLO) and the time XLA compiles.
@@ -16,6 +22,7 @@ Ratios are to the plain step of the same size; the NNX facade's is to the same
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -31,22 +38,43 @@ from benchmarks import recipes
 from benchmarks.harness import machine
 
 
-def _params(leaves: int, size: int) -> dict[str, jax.Array]:
+def _quadratic_params(leaves: int, size: int) -> dict[str, jax.Array]:
     return {f"w{i:04d}": jnp.full((size,), 0.5 + i / leaves, jnp.float32) for i in range(leaves)}
 
 
-def _loss(params: dict[str, jax.Array]) -> jax.Array:
+def _quadratic_loss(params: dict[str, jax.Array]) -> jax.Array:
     return sum(jnp.sum(jnp.square(w - 1.0)) for w in params.values())
 
 
-Build = Callable[[Any], tuple[Callable[..., Any], tuple[Any, ...]]]
+_WIDTH = 64
+_BATCH = jnp.linspace(-1.0, 1.0, 8 * _WIDTH, dtype=jnp.float32).reshape(8, _WIDTH)
+
+
+def _mlp_params(leaves: int, size: int) -> dict[str, jax.Array]:
+    del size  # the layers are 64×64
+    keys = jax.random.split(jax.random.key(0), leaves)
+    scale = 1.0 / jnp.sqrt(_WIDTH)
+    return {f"w{i:04d}": jax.random.normal(keys[i], (_WIDTH, _WIDTH)) * scale for i in range(leaves)}
+
+
+def _mlp_loss(params: dict[str, jax.Array]) -> jax.Array:
+    x = _BATCH
+    for w in params.values():
+        x = jnp.tanh(x @ w)
+    return jnp.mean(jnp.square(x))
+
+
+LOSSES = {"mlp": (_mlp_params, _mlp_loss), "quadratic": (_quadratic_params, _quadratic_loss)}
+
+
+Build = Callable[[Any, recipes.Loss], tuple[Callable[..., Any], tuple[Any, ...]]]
 
 
 def _recipe(make: Callable[[Any], recipes.Recipe]) -> Build:
     """A recipe of ``benchmarks/recipes.py`` on the quadratic loss: (step, its arguments)."""
 
-    def build(params: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        recipe = make(_loss)  # new function objects: nothing cached
+    def build(params: Any, loss: recipes.Loss) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        recipe = make(loss)  # new function objects: nothing cached
         return recipe.step, (params, *recipe.init(params))
 
     return build
@@ -56,12 +84,12 @@ def _nnx(with_scaler: bool) -> Build:
     """``nnx.Optimizer`` (with ``jaxscale.GradScaler``): the step as a pure function of
     the objects' state, as ``nnx.jit`` runs it."""
 
-    def build(params: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    def build(params: Any, loss: recipes.Loss) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         model = recipes.ParamLeaves(params)
         optimizer = nnx.Optimizer(model, optax.adam(recipes.LEARNING_RATE), wrt=nnx.Param)
         objects = (model, optimizer, jaxscale.GradScaler()) if with_scaler else (model, optimizer)
         graphdef, state = nnx.split(objects)
-        body = recipes.nnx_step(_loss, with_scaler)
+        body = recipes.nnx_step(loss, with_scaler)
 
         def step(state: Any) -> Any:
             live = nnx.merge(graphdef, state)
@@ -85,9 +113,10 @@ VARIANTS: dict[str, Build] = {
 BASELINES = {"GradScaler + nnx.Optimizer": "nnx.Optimizer"}
 
 
-def time_compile(build: Build, params: Any) -> tuple[float, float]:
+def time_compile(build: Build, params: Any, loss: recipes.Loss) -> tuple[float, float]:
     """(seconds to lower, seconds for XLA to compile) of a fresh jit of the step."""
-    step, args = build(params)
+    step, args = build(params, loss)
+    gc.collect()  # a collection of earlier rounds' garbage would land in this one's time
     start = time.perf_counter()
     lowered = jax.jit(step).lower(*args)
     lowered_at = time.perf_counter()
@@ -95,15 +124,18 @@ def time_compile(build: Build, params: Any) -> tuple[float, float]:
     return lowered_at - start, time.perf_counter() - lowered_at
 
 
-def run(leaves: int, size: int, repeats: int) -> dict[str, tuple[float, float, float]]:
+def run(
+    leaves: int, size: int, repeats: int, loss: str = "mlp"
+) -> dict[str, tuple[float, float, float]]:
     """Per variant: (median total seconds, median lower seconds, median compile seconds)."""
-    params = _params(leaves, size)
+    make_params, loss_fn = LOSSES[loss]
+    params = make_params(leaves, size)
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in VARIANTS}
     for build in VARIANTS.values():  # warm-up: imports, JAX's own caches
-        time_compile(build, _params(2, size))
+        time_compile(build, make_params(2, size), loss_fn)
     for _ in range(repeats):
         for name, build in VARIANTS.items():
-            samples[name].append(time_compile(build, params))
+            samples[name].append(time_compile(build, params, loss_fn))
     return {
         name: (
             statistics.median(lower + compile_ for lower, compile_ in values),
@@ -134,13 +166,15 @@ def table(results: dict[int, dict[str, tuple[float, float, float]]]) -> str:
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--leaves", type=int, nargs="+", default=[100, 500, 1000])
-    parser.add_argument("--size", type=int, default=20_000, help="elements per leaf")
+    parser.add_argument("--loss", choices=list(LOSSES), default="mlp")
+    parser.add_argument("--size", type=int, default=20_000, help="elements per quadratic leaf")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    results = {n: run(n, args.size, args.repeats) for n in args.leaves}
+    results = {n: run(n, args.size, args.repeats, args.loss) for n in args.leaves}
     report = table(results)
     info = machine()
-    print(f"{info['cpu']}, JAX {info['jax']}; {args.size}-element leaves, median of "
+    leaves = "64×64 tanh layers" if args.loss == "mlp" else f"{args.size}-element leaves"
+    print(f"{info['cpu']}, JAX {info['jax']}; {args.loss} loss, {leaves}, median of "
           f"{args.repeats} interleaved repeats")  # fmt: skip
     print(report)
     return report

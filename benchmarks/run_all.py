@@ -87,8 +87,9 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
     groups = train_step.main(["--repeats", str(args.repeats)])
     for group, results in groups.items():
         emit(f"Full train step (float16 transformer), {group}", table(results))
-    _, text = capture(compile_time.main, [])
-    emit("Trace + compile time by number of leaves", text)
+    for loss in compile_time.LOSSES:
+        _, text = capture(compile_time.main, ["--loss", loss])
+        emit(f"Trace + compile time by number of leaves, {loss} loss", text)
     _, text = capture(diagnosis_step.main, ["--repeats", str(args.repeats)])
     emit("locate_nonfinite when on: step and compile time", text)
     _, text = capture(unscale_throughput.main, ["--repeats", str(args.repeats)])

@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax import lax
 from jax.extend import core as jex
 from jax.extend import source_info_util
 
@@ -139,3 +140,89 @@ def bind_in_context(
     else:  # recent JAX: the functions travel among the params, under "subfuns"
         out = eqn.primitive.bind(*invals, **result)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+# --- Building a jaxpr from another and binding it as one call ----------------------
+
+
+def fresh_variable(aval: Any) -> Any:
+    """A new variable of abstract value ``aval``."""
+    return jex.Var(aval)
+
+
+def substituted(atom: Any, substitution: dict[Any, Any]) -> Any:
+    """``atom`` as ``substitution`` renames it (literals and unnamed variables unchanged)."""
+    return substitution.get(atom, atom) if is_variable(atom) else atom
+
+
+def inlined_equations(jaxpr: Any, substitution: dict[Any, Any]) -> list[Any]:
+    """``jaxpr``'s equations with every ``jit`` call replaced by the equations it calls.
+
+    Each equation's inputs are renamed by ``substitution``, and each output gets a
+    fresh variable, recorded in ``substitution`` (a ``jit``'s outputs map to what its
+    program returns): JAX shares one traced program between the calls of a function,
+    so its variables are renamed at each call. A ``jit`` whose program holds
+    constants of its own is kept as one equation.
+    """
+    equations = []
+    for eqn in jaxpr.eqns:
+        invars = [substituted(var, substitution) for var in eqn.invars]
+        inner = eqn.params.get("jaxpr") if eqn.primitive.name == "jit" else None
+        if inner is not None and not inner.consts:
+            inner_substitution = dict(zip(inner.jaxpr.invars, invars, strict=True))
+            equations += inlined_equations(inner.jaxpr, inner_substitution)
+            for outer, returned in zip(eqn.outvars, inner.jaxpr.outvars, strict=True):
+                if is_variable(outer):
+                    substitution[outer] = substituted(returned, inner_substitution)
+            continue
+        outvars = []
+        for var in eqn.outvars:
+            if is_variable(var):
+                substitution[var] = fresh_variable(var.aval)
+                var = substitution[var]
+            outvars.append(var)
+        equations.append(eqn.replace(invars=invars, outvars=outvars))
+    return equations
+
+
+def select_equation(which: Any, cases: Sequence[Any], out: Any, like: Any | None = None) -> Any:
+    """``out = select_n(which, *cases)``, with ``like``'s source info and context when given."""
+    return jex.new_jaxpr_eqn(
+        [which, *cases],
+        [out],
+        jex.primitives.select_n_p,
+        {},
+        jex.no_effects,
+        None if like is None else like.source_info,
+        None if like is None else like.ctx,
+    )
+
+
+def call_jaxpr(like: Any, invars: Sequence[Any], outvars: Sequence[Any], equations: Sequence[Any]) -> Any:
+    """A closed jaxpr of these parts without constants, with ``like``'s effects (argument
+    and result names are not carried over: the parts need not match ``like``'s)."""
+    jaxpr = Jaxpr(
+        [], list(invars), list(outvars), list(equations), like.jaxpr.effects,
+        like.jaxpr.debug_info.with_unknown_names(),
+    )  # fmt: skip
+    return ClosedJaxpr(jaxpr, [])
+
+
+def bind_as_call(closed: Any, args: Sequence[Any], name: str) -> list[Any]:
+    """Bind ``closed`` on ``args`` as one ``jit`` equation named ``name``.
+
+    The trace in progress records a single equation, where evaluating ``closed``
+    would bind each of its equations anew; XLA inlines the call when it compiles.
+    The ``jit`` parameters other than the program and its name are those JAX gives
+    a ``jit`` of as many inputs and outputs, so they follow the running version.
+    """
+    n_in, n_out = len(closed.jaxpr.invars), len(closed.jaxpr.outvars)
+    scalar = jax.ShapeDtypeStruct((), np.float32)
+    # An output computed, not an input passed through, which jit would forward outside.
+    def template(*xs: Any) -> list[Any]:
+        return [lax.neg(xs[0])] * n_out
+
+    traced = jax.make_jaxpr(jax.jit(template))(*[scalar] * n_in)
+    (call,) = [eqn for eqn in traced.jaxpr.eqns if eqn.primitive.name == "jit"]
+    params = {**call.params, "jaxpr": closed, "name": name}
+    return list(jex.primitives.jit_p.bind(*args, **params))

@@ -12,6 +12,11 @@ the 24-bit significand of ``x`` times the 53-bit significand of ``factor`` is fo
 in 16-bit limbs, rounded to nearest-even at 53 bits, and then rounded to
 nearest-even at float32 precision (normal or subnormal). Every operation is on
 uint32/int32 scalars, so XLA can neither reassociate it nor flush it to zero.
+
+A power-of-two factor (PyTorch's defaults, 2.0 and 0.5) needs none of that: the
+product is exact in double precision, so only the exponent moves, and only a result
+below float32's normal range is rounded. That case is a separate, much shorter
+program: the scale's update is compiled into every train step.
 """
 
 from __future__ import annotations
@@ -196,6 +201,54 @@ def _double_to_float_bits(hi: jax.Array, lo: jax.Array, exponent: jax.Array) -> 
     return jnp.where(biased >= 1, normal_bits, kept)
 
 
+def _normalized(bits: jax.Array, exponent_field: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(significand, exponent)`` of the float32 with ``bits``: its magnitude is
+    ``significand * 2**exponent``, with bit 23 the leading bit (subnormals shifted up).
+    Zero gives significand 0."""
+    fraction = bits & _u32(0x7FFFFF)
+    is_normal = exponent_field != 0
+    significand = jnp.where(is_normal, fraction | _u32(0x800000), fraction)
+    exponent = jnp.where(is_normal, exponent_field - 150, _i32(-149))
+    leading_zeros = lax.clz(significand).astype(jnp.int32) - 8
+    normalize = jnp.where(significand == 0, 0, leading_zeros)
+    return significand << normalize.astype(jnp.uint32), exponent - normalize
+
+
+def _scaled_by_power_of_two(significand: jax.Array, exponent: jax.Array) -> jax.Array:
+    """Float32 bits (sign clear) of ``significand * 2**exponent``, rounded to nearest-even.
+
+    ``significand`` lies in ``[2**23, 2**24)``, so a normal result is exact and only a
+    subnormal one is rounded; a result too large for float32 is +inf.
+    """
+    biased = exponent + 150  # the exponent field of a normal result
+    normal_bits = (jnp.clip(biased, 1, 254).astype(jnp.uint32) << 23) | (
+        significand & _u32(0x7FFFFF)
+    )
+    # A subnormal result keeps significand >> (1 - biased); from 26 bits on that rounds to 0.
+    drop = jnp.clip(1 - biased, 1, 26).astype(jnp.uint32)
+    kept = significand >> drop
+    remainder = significand - (kept << drop)
+    half = _u32(1) << (drop - 1)
+    round_up = (remainder > half) | ((remainder == half) & ((kept & 1) == 1))
+    # kept + 1 may reach 2**23: the bits of the smallest normal float32, as they should.
+    subnormal_bits = kept + round_up.astype(jnp.uint32)
+    return jnp.where(
+        biased >= 255, _u32(_FLOAT_INF_BITS), jnp.where(biased >= 1, normal_bits, subnormal_bits)
+    )
+
+
+def multiply_by_power_of_two(x: jax.Array, exponent: jax.Array | int) -> jax.Array:
+    """``multiply_as_double(x, 2.0**exponent)`` for a float32 ``x`` and an int32 ``exponent``
+    that may be traced: one short program serves several power-of-two factors."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    exponent_field = ((bits >> 23) & 0xFF).astype(jnp.int32)
+    significand, own_exponent = _normalized(bits, exponent_field)
+    magnitude = _scaled_by_power_of_two(significand, own_exponent + jnp.asarray(exponent, jnp.int32))
+    is_special = (significand == 0) | (exponent_field == 0xFF)
+    result = jnp.where(is_special, bits, (bits & _u32(0x80000000)) | magnitude)
+    return lax.bitcast_convert_type(result, jnp.float32)
+
+
 def multiply_as_double(x: jax.Array, factor: float) -> jax.Array:
     """Return ``float32(float64(x) * factor)`` bit for bit, for a float32 array ``x``.
 
@@ -221,18 +274,14 @@ def multiply_as_double(x: jax.Array, factor: float) -> jax.Array:
         with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN are results here
             rounded = (np.asarray(x, np.float64) * factor).astype(np.float32)
         return jnp.asarray(rounded)
+    if factor_significand == 1:
+        return multiply_by_power_of_two(x, factor_exponent)
     bits = lax.bitcast_convert_type(x, jnp.uint32)
     sign = bits & _u32(0x80000000)
     exponent_field = ((bits >> 23) & 0xFF).astype(jnp.int32)
-    fraction = bits & _u32(0x7FFFFF)
-    is_normal = exponent_field != 0
-    significand = jnp.where(is_normal, fraction | _u32(0x800000), fraction)
-    # x == significand * 2**exponent; normalise subnormals so bit 23 is the leading bit.
-    exponent = jnp.where(is_normal, exponent_field - 150, _i32(-149))
-    leading_zeros = lax.clz(significand).astype(jnp.int32) - 8
-    normalize = jnp.where(significand == 0, 0, leading_zeros)
-    significand = significand << normalize.astype(jnp.uint32)
-    exponent = exponent - normalize
+    significand, exponent = _normalized(bits, exponent_field)
+    # factor > 0, so ±0, ±inf and NaN are their own products.
+    is_special = (significand == 0) | (exponent_field == 0xFF)
 
     product = _multiply_significands(significand, factor_significand)
     # significand in [2**23, 2**24) and factor_significand in [2**(b-1), 2**b)
@@ -245,8 +294,5 @@ def multiply_as_double(x: jax.Array, factor: float) -> jax.Array:
     lo = jnp.where(is_long, long[1], short[1])
     shift = jnp.where(is_long, long[2] + long[3], short[2] + short[3])
     magnitude = _double_to_float_bits(hi, lo, exponent + factor_exponent + shift)
-
-    # factor > 0, so ±0, ±inf and NaN are their own products.
-    is_special = (significand == 0) | (exponent_field == 0xFF)
     result = jnp.where(is_special, bits, sign | magnitude)
     return lax.bitcast_convert_type(result, jnp.float32)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale.core import _validation
-from jaxscale.core._rounding import multiply_as_double
+from jaxscale.core._rounding import decompose_factor, multiply_as_double, multiply_by_power_of_two
 from jaxscale.core._state import ScalerState
 
 
@@ -68,13 +68,12 @@ class ScaleUpdateRule:
         overflows = streak + 1
         backs_off = found_inf & (overflows >= self.hysteresis)
         new_streak = jnp.where(found_inf, jnp.minimum(overflows, self.hysteresis - 1), 0)
-        backed_off = multiply_as_double(scale, self.backoff_factor)
+        backed_off, grown = self._backed_off_and_grown(scale, found_inf)
         if self.min_scale is not None:
             backed_off = jnp.maximum(backed_off, jnp.float32(self.min_scale))
 
         successful = _saturating_add(tracker)
         reaches_interval = ~found_inf & (successful == self.growth_interval)
-        grown = multiply_as_double(scale, self.growth_factor)
         grows = reaches_interval & jnp.isfinite(grown)
         if self.max_scale is not None:
             grown = jnp.minimum(grown, jnp.float32(self.max_scale))
@@ -85,6 +84,28 @@ class ScaleUpdateRule:
             scale=new_scale,
             growth_tracker=new_tracker.astype(jnp.int32),
             overflow_streak=new_streak.astype(jnp.int32),
+        )
+
+
+    def _backed_off_and_grown(
+        self, scale: jax.Array, found_inf: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """``scale`` times the backoff factor and times the growth factor, each rounded as
+        PyTorch's double arithmetic rounds it.
+
+        Only the first is used after an overflow and only the second after a finite
+        step, so when both factors are powers of two (PyTorch's defaults) one product,
+        by the factor of the step's outcome, serves for both: the scale's update is
+        compiled into every train step.
+        """
+        backoff = decompose_factor(self.backoff_factor)
+        growth = decompose_factor(self.growth_factor)
+        if backoff[0] == growth[0] == 1:
+            moved = multiply_by_power_of_two(scale, jnp.where(found_inf, backoff[1], growth[1]))
+            return moved, moved
+        return (
+            multiply_as_double(scale, self.backoff_factor),
+            multiply_as_double(scale, self.growth_factor),
         )
 
 

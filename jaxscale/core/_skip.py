@@ -10,7 +10,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxscale.core._jaxprs import bind_equation, is_literal, is_variable, literal_value
+from jaxscale.core._jaxprs import (
+    bind_as_call,
+    call_jaxpr,
+    fresh_variable,
+    inlined_equations,
+    is_variable,
+    select_equation,
+    substituted,
+)
 
 T = TypeVar("T")
 
@@ -64,74 +72,58 @@ def skip_by_select(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
 def _run_selecting(
     found_inf: jax.Array, closed: Any, args: list[Any], olds: list[Any]
 ) -> list[Any]:
-    """Evaluate ``closed`` on ``args``, each output selected against its ``olds`` entry
-    (where it is computed, or at the end for an output passed through)."""
+    """Run ``closed`` on ``args``, each output selected against its ``olds`` entry (where it
+    is computed, or at the end for an output passed through), as one call.
+
+    The program with its selects is written as a jaxpr and bound as a single ``jit``
+    equation: evaluating ``closed`` anew, equation by equation, would cost the trace
+    of the update a second time, and the trace is most of a step's time to lower.
+    """
+    found_inf = jnp.asarray(found_inf, jnp.bool_)
     jaxpr = closed.jaxpr
-    selected = _outputs_to_select(jaxpr, olds)
-    after = _evaluate_selecting(jaxpr, closed.consts, args, found_inf, selected)
-    return [
-        new if _is_selected(var, selected) else jnp.where(found_inf, old, new)
-        for var, old, new in zip(jaxpr.outvars, olds, after, strict=True)
-    ]
+    which = fresh_variable(jax.typeof(found_inf))
+    # A value to select back is an input of the update, or an input of its own.
+    by_identity = {id(arg): var for arg, var in zip(args, jaxpr.invars, strict=True)}
+    extra_inputs, extra_vars, old_atoms = [], [], []
+    for old in olds:
+        var = by_identity.get(id(old))
+        if var is None:
+            var = fresh_variable(jax.typeof(old))
+            extra_inputs.append(old)
+            extra_vars.append(var)
+        old_atoms.append(var)
 
-
-def _outputs_to_select(jaxpr: Any, olds: list[Any]) -> dict[Any, Any]:
-    """{output variable: the value it is selected against} for outputs computed in ``jaxpr``.
-
-    ``olds`` holds, output by output, the value to select back when skipped, or
-    ``None`` for an output not to select. An output that is an input passed
-    through, a literal, or returned in several places is left out: the caller
-    selects it once the whole ``jaxpr`` has run.
-    """
-    counts = collections.Counter(var for var in jaxpr.outvars if is_variable(var))
-    passed_through = set(jaxpr.invars) | set(jaxpr.constvars)
-    return {
+    renamed: dict[Any, Any] = {}
+    equations = inlined_equations(jaxpr, renamed)
+    outvars = [substituted(var, renamed) for var in jaxpr.outvars]
+    counts = collections.Counter(var for var in outvars if is_variable(var))
+    computed = {var for eqn in equations for var in eqn.outvars}
+    in_place = {
         var: old
-        for var, old in zip(jaxpr.outvars, olds, strict=True)
-        if old is not None and is_variable(var) and counts[var] == 1 and var not in passed_through
+        for var, old in zip(outvars, old_atoms, strict=True)
+        if is_variable(var) and counts[var] == 1 and var in computed
     }
-
-
-def _is_selected(var: Any, selected: dict[Any, Any]) -> bool:
-    """Whether the output ``var`` (a variable, or a literal, never selected) is in ``selected``."""
-    return is_variable(var) and var in selected
-
-
-def _evaluate_selecting(
-    jaxpr: Any, consts: Any, args: list[Any], found_inf: jax.Array, selected: dict[Any, Any]
-) -> list[Any]:
-    """Evaluate ``jaxpr``, replacing each variable of ``selected`` by its select once computed.
-
-    Nested ``jit`` calls are evaluated inline, so that an output computed inside
-    one is selected where it is computed.
-    """
-    env: dict[Any, Any] = {}
-
-    def read(var: Any) -> Any:
-        return literal_value(var) if is_literal(var) else env[var]
-
-    env.update(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    for eqn in jaxpr.eqns:
-        invals = [read(var) for var in eqn.invars]
-        handled: set[Any] = set()
-        if eqn.primitive.name == "jit":
-            inner = eqn.params["jaxpr"]
-            olds = [selected.get(var) for var in eqn.outvars]
-            inner_selected = _outputs_to_select(inner.jaxpr, olds)
-            handled = {
-                var
-                for inner_var, var in zip(inner.jaxpr.outvars, eqn.outvars, strict=True)
-                if _is_selected(inner_var, inner_selected)
-            }
-            outs = _evaluate_selecting(inner.jaxpr, inner.consts, invals, found_inf, inner_selected)
-        else:
-            outs = bind_equation(eqn, invals)
-        for var, value in zip(eqn.outvars, outs, strict=True):
-            if var in selected and var not in handled:
-                value = jnp.where(found_inf, selected[var], value)
-            env[var] = value
-    return [read(var) for var in jaxpr.outvars]
+    selecting: list[Any] = []
+    reselected: dict[Any, Any] = {}
+    for eqn in equations:
+        selecting.append(eqn.replace(invars=[substituted(v, reselected) for v in eqn.invars]))
+        for var in eqn.outvars:
+            if var in in_place:
+                reselected[var] = fresh_variable(var.aval)
+                selecting.append(select_equation(which, [var, in_place[var]], reselected[var], eqn))
+    results = []
+    for var, old in zip(outvars, old_atoms, strict=True):
+        if is_variable(var) and var in in_place:
+            results.append(reselected[var])
+        else:  # passed through, a literal, or returned twice: selected here
+            out = fresh_variable(var.aval)
+            selecting.append(select_equation(which, [var, old], out))
+            results.append(out)
+    # The update's constants (values it closed over, traced ones among them) become inputs.
+    invars = [*jaxpr.constvars, which, *jaxpr.invars, *extra_vars]
+    program = call_jaxpr(closed, invars, results, selecting)
+    inputs = [*closed.consts, found_inf, *args, *extra_inputs]
+    return bind_as_call(program, inputs, "skip_unless_finite")
 
 
 def run_unless(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:

@@ -71,6 +71,15 @@ FACTORS = [
     1e30,
     1e-300,
     1e300,
+    # powers of two: a shorter program, only the exponent moves
+    1.0,
+    4.0,
+    0.25,
+    2.0**-30,
+    2.0**100,
+    2.0**-149,
+    2.0**-1074,
+    2.0**1000,
 ]
 
 
@@ -118,6 +127,22 @@ def test_overflow_gives_inf_and_underflow_gives_subnormals_then_zero():
     assert_bits_equal(multiply_as_double(jnp.float32(tiny), 0.5), np.float32(2.0**-127))
     assert float(multiply_as_double(jnp.float32(2.0**-149), 0.5)) == 0.0  # tie rounds to even 0
     assert_bits_equal(multiply_as_double(jnp.float32(2.0**-149), 0.75), np.float32(2.0**-149))
+
+
+@pytest.mark.parametrize("factor", [2.0, 0.5])
+def test_power_of_two_factors_round_every_subnormal_result_to_nearest_even(factor):
+    # every float32 whose product is or lands next to a subnormal, exhaustively
+    bits = np.arange(0, 2**24 + 2**23, dtype=np.uint32)
+    x = np.concatenate([bits, bits | np.uint32(0x80000000)]).view(np.float32)
+    assert_bits_equal(batched(factor)(jnp.asarray(x)), reference(x, factor))
+
+
+def test_a_power_of_two_factor_compiles_to_a_much_shorter_program():
+    def equations(factor):
+        return len(jax.make_jaxpr(lambda x: multiply_as_double(x, factor))(jnp.float32(1)).eqns)
+
+    assert equations(2.0) * 2 < equations(1.5)
+    assert equations(0.5) == equations(2.0)
 
 
 def test_eager_and_jit_agree():

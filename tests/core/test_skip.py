@@ -217,3 +217,41 @@ def test_update_unless_refuses_an_update_that_changes_the_states_structure():
         jax.jit(lambda f: update_unless(f, update, jnp.ones(2), {"count": jnp.int32(0)}))(
             jnp.asarray(False)
         )
+
+
+def test_the_update_is_recorded_once_as_one_call_whatever_its_size():
+    # The update is traced once; its program, with the selects placed, joins the
+    # step as a single call, instead of being evaluated anew equation by equation.
+    tx = third_party.optimizer(optax.adam(1e-3))
+    params = {f"p{i}": jnp.full(8, float(i)) for i in range(5)}
+
+    def step(found_inf, grads, state):
+        return jaxscale.core.update_unless(found_inf, lambda g, s: tx.update(g, s), grads, state)
+
+    jaxpr = jax.make_jaxpr(step)(jnp.asarray(False), params, tx.init(params)).jaxpr
+    calls = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "jit"]
+    assert [str(eqn.params["name"]) for eqn in calls] == ["skip_unless_finite"]
+    assert not any(eqn.primitive.name == "sqrt" for eqn in jaxpr.eqns)
+    inner = calls[0].params["jaxpr"].jaxpr
+    assert sum(eqn.primitive.name == "sqrt" for eqn in inner.eqns) == 5  # inlined, once each
+    selected = {eqn.outvars[0] for eqn in inner.eqns if eqn.primitive.name == "select_n"}
+    assert len(inner.outvars) == 5 + 10 + 1  # updates, both moments, the count
+    assert all(var in selected for var in inner.outvars)
+
+
+def test_the_skip_is_differentiable_and_keeps_effects():
+    # The call is an ordinary jit equation: gradients flow through it, and a
+    # callback in the update still runs when the step runs.
+    printed = []
+
+    def update(carry):
+        jax.debug.callback(lambda p: printed.append(float(p[0])), carry["p"])
+        return {"p": carry["p"] * 3.0, "count": carry["count"] + 1}
+
+    def total(carry, found):
+        return skip_by_select(found, update, carry)["p"].sum()
+
+    for found, slope in [(False, 3.0), (True, 1.0)]:
+        grads = jax.jit(jax.grad(total, allow_int=True))(CARRY, jnp.asarray(found))
+        np.testing.assert_array_equal(np.asarray(grads["p"]), [slope] * 3)
+    assert printed == [1.0, 1.0]
