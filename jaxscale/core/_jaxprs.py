@@ -1,11 +1,13 @@
-"""Evaluating jaxprs again: the one place that touches JAX's jaxpr internals.
+"""Evaluating and rewriting jaxprs: the one place that touches JAX's jaxpr internals.
 
-jaxscale re-evaluates traced programs twice over: autocast binds each equation
-anew with its inputs cast, and the skip of a step binds an update's equations
-with its outputs selected. Both need the same few facts about JAX's jaxpr data
-structures (literals, variables, sub-jaxprs, the protocol that re-binds a
-higher-order equation) and the same care when binding: an equation is bound
-again inside its own context, as ``jax.core.eval_jaxpr`` does, so that
+jaxscale works on traced programs in two ways. Autocast evaluates a program anew,
+binding each equation with its inputs cast; the skip of a step rewrites an
+update's program with a select after each value it returns and binds the result
+as one call. Both need the same few facts about JAX's jaxpr data structures
+(literals, variables, sub-jaxprs, the protocol that re-binds a higher-order
+equation, how a ``jit`` call is written) and the same care when binding: an
+equation is bound again inside its own context, as ``jax.core.eval_jaxpr`` does,
+so that
 
 * its source information (the user's file and line) is what errors and the
   compiled program's metadata name, not jaxscale's;
@@ -14,8 +16,7 @@ again inside its own context, as ``jax.core.eval_jaxpr`` does, so that
   one it was traced under.
 
 Everything here uses ``jax.extend``, JAX's interface for libraries that
-transform jaxprs, and nothing else from JAX's internals.
-"""
+transform jaxprs, and nothing else from JAX's internals."""
 
 from __future__ import annotations
 
