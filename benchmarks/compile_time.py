@@ -54,7 +54,9 @@ def _mlp_params(leaves: int, size: int) -> dict[str, jax.Array]:
     del size  # the layers are 64×64
     keys = jax.random.split(jax.random.key(0), leaves)
     scale = 1.0 / jnp.sqrt(_WIDTH)
-    return {f"w{i:04d}": jax.random.normal(keys[i], (_WIDTH, _WIDTH)) * scale for i in range(leaves)}
+    return {
+        f"w{i:04d}": jax.random.normal(keys[i], (_WIDTH, _WIDTH)) * scale for i in range(leaves)
+    }
 
 
 def _mlp_loss(params: dict[str, jax.Array]) -> jax.Array:
@@ -108,7 +110,11 @@ VARIANTS: dict[str, Build] = {
     "optax.apply_if_finite": _recipe(recipes.apply_if_finite),
     "nnx.Optimizer": _nnx(with_scaler=False),
     "GradScaler + nnx.Optimizer": _nnx(with_scaler=True),
+    "Flax DynamicScale": _recipe(recipes.flax_dynamic_scale),
+    "jmp": _recipe(recipes.jmp_loss_scale),
 }
+# Flax's and jmp's recipes take minutes and several GB to compile at 500 leaves.
+SLOW = {"Flax DynamicScale", "jmp"}
 # Each variant's ratio is to the step it adds loss scaling to.
 BASELINES = {"GradScaler + nnx.Optimizer": "nnx.Optimizer"}
 
@@ -116,9 +122,16 @@ BASELINES = {"GradScaler + nnx.Optimizer": "nnx.Optimizer"}
 def time_compile(build: Build, params: Any, loss: recipes.Loss) -> tuple[float, float]:
     """(seconds to lower, seconds for XLA to compile) of a fresh jit of the step."""
     step, args = build(params, loss)
+    # Lowered on the flat list of arrays: jmp's loss scale cannot be rebuilt from the
+    # placeholders JAX's lowering puts in a tree's leaves.
+    leaves, tree = jax.tree.flatten(args)
+
+    def flat_step(*leaves: Any) -> Any:
+        return step(*jax.tree.unflatten(tree, leaves))
+
     gc.collect()  # a collection of earlier rounds' garbage would land in this one's time
     start = time.perf_counter()
-    lowered = jax.jit(step).lower(*args)
+    lowered = jax.jit(flat_step).lower(*leaves)
     lowered_at = time.perf_counter()
     lowered.compile()
     return lowered_at - start, time.perf_counter() - lowered_at
@@ -127,14 +140,20 @@ def time_compile(build: Build, params: Any, loss: recipes.Loss) -> tuple[float, 
 def run(
     leaves: int, size: int, repeats: int, loss: str = "mlp"
 ) -> dict[str, tuple[float, float, float]]:
-    """Per variant: (median total seconds, median lower seconds, median compile seconds)."""
+    """Per variant (Flax's and jmp's only up to ``recipes.MAX_LEAVES_FOR_SLOW`` leaves):
+    (median total seconds, median lower seconds, median compile seconds)."""
     make_params, loss_fn = LOSSES[loss]
     params = make_params(leaves, size)
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in VARIANTS}
-    for build in VARIANTS.values():  # warm-up: imports, JAX's own caches
+    variants = {
+        name: build
+        for name, build in VARIANTS.items()
+        if leaves <= recipes.MAX_LEAVES_FOR_SLOW or name not in SLOW
+    }
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    for build in variants.values():  # warm-up: imports, JAX's own caches
         time_compile(build, make_params(2, size), loss_fn)
     for _ in range(repeats):
-        for name, build in VARIANTS.items():
+        for name, build in variants.items():
             samples[name].append(time_compile(build, params, loss_fn))
     return {
         name: (
@@ -156,6 +175,9 @@ def table(results: dict[int, dict[str, tuple[float, float, float]]]) -> str:
         plain = by_name["plain"][0]
         cells = [f"{plain:.2f} s (lower {by_name['plain'][1]:.2f})"]
         for name in names[1:]:
+            if name not in by_name:
+                cells.append("-")
+                continue
             total, lower, _ = by_name[name]
             baseline = by_name[BASELINES.get(name, "plain")][0]
             cells.append(f"{total / baseline:.2f}× (lower {lower:.2f} s)")

@@ -199,7 +199,9 @@ def select_equation(which: Any, cases: Sequence[Any], out: Any, like: Any | None
     )
 
 
-def call_jaxpr(like: Any, invars: Sequence[Any], outvars: Sequence[Any], equations: Sequence[Any]) -> Any:
+def call_jaxpr(
+    like: Any, invars: Sequence[Any], outvars: Sequence[Any], equations: Sequence[Any]
+) -> Any:
     """A closed jaxpr of these parts without constants, with ``like``'s effects (argument
     and result names are not carried over: the parts need not match ``like``'s)."""
     jaxpr = Jaxpr(
@@ -219,6 +221,7 @@ def bind_as_call(closed: Any, args: Sequence[Any], name: str) -> list[Any]:
     """
     n_in, n_out = len(closed.jaxpr.invars), len(closed.jaxpr.outvars)
     scalar = jax.ShapeDtypeStruct((), np.float32)
+
     # An output computed, not an input passed through, which jit would forward outside.
     def template(*xs: Any) -> list[Any]:
         return [lax.neg(xs[0])] * n_out

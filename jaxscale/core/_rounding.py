@@ -243,7 +243,9 @@ def multiply_by_power_of_two(x: jax.Array, exponent: jax.Array | int) -> jax.Arr
     bits = lax.bitcast_convert_type(x, jnp.uint32)
     exponent_field = ((bits >> 23) & 0xFF).astype(jnp.int32)
     significand, own_exponent = _normalized(bits, exponent_field)
-    magnitude = _scaled_by_power_of_two(significand, own_exponent + jnp.asarray(exponent, jnp.int32))
+    magnitude = _scaled_by_power_of_two(
+        significand, own_exponent + jnp.asarray(exponent, jnp.int32)
+    )
     is_special = (significand == 0) | (exponent_field == 0xFF)
     result = jnp.where(is_special, bits, (bits & _u32(0x80000000)) | magnitude)
     return lax.bitcast_convert_type(result, jnp.float32)

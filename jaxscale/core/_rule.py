@@ -86,7 +86,6 @@ class ScaleUpdateRule:
             overflow_streak=new_streak.astype(jnp.int32),
         )
 
-
     def _backed_off_and_grown(
         self, scale: jax.Array, found_inf: jax.Array
     ) -> tuple[jax.Array, jax.Array]:

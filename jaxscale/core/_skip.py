@@ -82,48 +82,74 @@ def _run_selecting(
     found_inf = jnp.asarray(found_inf, jnp.bool_)
     jaxpr = closed.jaxpr
     which = fresh_variable(jax.typeof(found_inf))
-    # A value to select back is an input of the update, or an input of its own.
-    by_identity = {id(arg): var for arg, var in zip(args, jaxpr.invars, strict=True)}
-    extra_inputs, extra_vars, old_atoms = [], [], []
+    old_atoms, extra_vars, extra_inputs = _values_to_select_back(jaxpr.invars, args, olds)
+    renamed: dict[Any, Any] = {}
+    equations = inlined_equations(jaxpr, renamed)
+    outvars = [substituted(var, renamed) for var in jaxpr.outvars]
+    equations, results = _with_selects(which, equations, outvars, old_atoms)
+    # The update's constants (values it closed over, traced ones among them) become inputs.
+    invars = [*jaxpr.constvars, which, *jaxpr.invars, *extra_vars]
+    program = call_jaxpr(closed, invars, results, equations)
+    inputs = [*closed.consts, found_inf, *args, *extra_inputs]
+    return bind_as_call(program, inputs, "skip_unless_finite")
+
+
+def _values_to_select_back(
+    invars: list[Any], args: list[Any], olds: list[Any]
+) -> tuple[list[Any], list[Any], list[Any]]:
+    """``(atoms, new_vars, new_inputs)``: the atom each output is selected against, and
+    the inputs the program needs for them beyond its own.
+
+    An old value that is one of ``args`` is that input's variable; any other (the
+    ``-0.0`` of a skipped update) becomes an input of its own.
+    """
+    by_identity = {id(arg): var for arg, var in zip(args, invars, strict=True)}
+    atoms, new_vars, new_inputs = [], [], []
     for old in olds:
         var = by_identity.get(id(old))
         if var is None:
             var = fresh_variable(jax.typeof(old))
-            extra_inputs.append(old)
-            extra_vars.append(var)
-        old_atoms.append(var)
+            new_vars.append(var)
+            new_inputs.append(old)
+        atoms.append(var)
+    return atoms, new_vars, new_inputs
 
-    renamed: dict[Any, Any] = {}
-    equations = inlined_equations(jaxpr, renamed)
-    outvars = [substituted(var, renamed) for var in jaxpr.outvars]
+
+def _with_selects(
+    which: Any, equations: list[Any], outvars: list[Any], olds: list[Any]
+) -> tuple[list[Any], list[Any]]:
+    """``equations`` with a select after each equation computing an output, and the
+    outputs, each selected against its ``olds`` atom when ``which`` is true.
+
+    Later equations read the selected value, so that what the update computes from
+    a value it returns (Adam's step from its new moments) reads what is returned.
+    An output passed through from an input, a literal, or returned in two places is
+    selected after the last equation.
+    """
     counts = collections.Counter(var for var in outvars if is_variable(var))
     computed = {var for eqn in equations for var in eqn.outvars}
     in_place = {
         var: old
-        for var, old in zip(outvars, old_atoms, strict=True)
+        for var, old in zip(outvars, olds, strict=True)
         if is_variable(var) and counts[var] == 1 and var in computed
     }
     selecting: list[Any] = []
-    reselected: dict[Any, Any] = {}
+    selected: dict[Any, Any] = {}
     for eqn in equations:
-        selecting.append(eqn.replace(invars=[substituted(v, reselected) for v in eqn.invars]))
+        selecting.append(eqn.replace(invars=[substituted(v, selected) for v in eqn.invars]))
         for var in eqn.outvars:
             if var in in_place:
-                reselected[var] = fresh_variable(var.aval)
-                selecting.append(select_equation(which, [var, in_place[var]], reselected[var], eqn))
+                selected[var] = fresh_variable(var.aval)
+                selecting.append(select_equation(which, [var, in_place[var]], selected[var], eqn))
     results = []
-    for var, old in zip(outvars, old_atoms, strict=True):
+    for var, old in zip(outvars, olds, strict=True):
         if is_variable(var) and var in in_place:
-            results.append(reselected[var])
-        else:  # passed through, a literal, or returned twice: selected here
+            results.append(selected[var])
+        else:
             out = fresh_variable(var.aval)
             selecting.append(select_equation(which, [var, old], out))
             results.append(out)
-    # The update's constants (values it closed over, traced ones among them) become inputs.
-    invars = [*jaxpr.constvars, which, *jaxpr.invars, *extra_vars]
-    program = call_jaxpr(closed, invars, results, selecting)
-    inputs = [*closed.consts, found_inf, *args, *extra_inputs]
-    return bind_as_call(program, inputs, "skip_unless_finite")
+    return selecting, results
 
 
 def run_unless(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
@@ -161,7 +187,7 @@ def update_unless(
             return update(grads, state)
         updates_shape, _ = jax.eval_shape(update, grads, state)
         return skipped_updates_like(updates_shape), state
-    # Traced once (its jaxpr gives the updates' shapes too), then evaluated selecting.
+    # Traced once (its jaxpr gives the updates' shapes too), then bound once with its selects.
     before, state_tree = jax.tree.flatten(state)
     trees: list[Any] = []
 
