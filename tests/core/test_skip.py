@@ -51,6 +51,23 @@ def test_outputs_not_computed_from_the_carry_are_selected_back_too():
     assert bits(step(jnp.asarray(False), carry)) == bits(update(carry))
 
 
+def test_a_function_called_twice_in_the_update_gives_each_call_its_own_result():
+    # JAX traces a jitted function once and shares its program between the calls;
+    # written into the skip's program, each call's values must stay apart.
+    @jax.jit
+    def halve(x):
+        return x * 0.5
+
+    def update(carry):
+        first, second = halve(carry["p"]), halve(carry["p"] + 4.0)
+        return {"p": first + second, "count": carry["count"] + 1}
+
+    step = jax.jit(lambda found, carry: skip_by_select(found, update, carry))
+    assert bits(step(jnp.asarray(False), CARRY)) == bits(update(CARRY))
+    assert np.asarray(step(jnp.asarray(False), CARRY)["p"]).tolist() == [3.0, 2.0, 5.0]
+    assert bits(step(jnp.asarray(True), CARRY)) == bits(CARRY)
+
+
 def test_eager_calls_branch_in_python_and_never_trace():
     calls = []
 
