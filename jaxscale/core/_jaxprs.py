@@ -21,6 +21,7 @@ transform jaxprs, and nothing else from JAX's internals."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -219,7 +220,16 @@ def bind_as_call(closed: Any, args: Sequence[Any], name: str) -> list[Any]:
     The ``jit`` parameters other than the program and its name are those JAX gives
     a ``jit`` of as many inputs and outputs, so they follow the running version.
     """
-    n_in, n_out = len(closed.jaxpr.invars), len(closed.jaxpr.outvars)
+    counts = (len(closed.jaxpr.invars), len(closed.jaxpr.outvars))
+    params = _call_params(*counts, jax.sharding.get_abstract_mesh())
+    return list(jex.primitives.jit_p.bind(*args, **params, jaxpr=closed, name=name))
+
+
+@functools.lru_cache(maxsize=64)
+def _call_params(n_in: int, n_out: int, mesh: Any) -> dict[str, Any]:
+    """The parameters of a ``jit`` equation with ``n_in`` inputs and ``n_out`` outputs,
+    traced under ``mesh`` (the abstract mesh in context), less its program and name."""
+    del mesh  # part of the cache's key: the parameters record the mesh in context
     scalar = jax.ShapeDtypeStruct((), np.float32)
 
     # An output computed, not an input passed through, which jit would forward outside.
@@ -228,5 +238,4 @@ def bind_as_call(closed: Any, args: Sequence[Any], name: str) -> list[Any]:
 
     traced = jax.make_jaxpr(jax.jit(template))(*[scalar] * n_in)
     (call,) = [eqn for eqn in traced.jaxpr.eqns if eqn.primitive.name == "jit"]
-    params = {**call.params, "jaxpr": closed, "name": name}
-    return list(jex.primitives.jit_p.bind(*args, **params))
+    return {key: value for key, value in call.params.items() if key not in ("jaxpr", "name")}

@@ -286,6 +286,35 @@ def test_explicit_sharding_mesh_as_in_the_nnx_tutorials():
         assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
 
 
+def test_a_scaled_step_under_an_explicit_sharding_mesh_skips_bitwise():
+    # The skip joins the step as one call of its own program: the call, and the
+    # selects written into it, must carry the mesh and the shardings of an explicit mesh.
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh), standard_promotion():
+        model = nnx.Linear(WIDTH, VOCAB, rngs=nnx.Rngs(0))
+        model.kernel.set_value(jax.device_put(model.kernel[...], P(None, "model")))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        scaler = jaxscale.GradScaler(init_scale=2.0**8)
+        data = np.ones((4, WIDTH), np.float32)
+        x = jax.device_put(data, P("data", None))
+
+        @nnx.jit
+        def step(model, optimizer, scaler, x):
+            loss_fn = lambda m: scaler.scale(jnp.mean(m(x) ** 2))  # noqa: E731
+            scaler.step(optimizer, model, nnx.grad(loss_fn)(model))
+            scaler.update()
+
+        before = np.asarray(model.kernel[...])
+        step(model, optimizer, scaler, x)
+        assert model.kernel[...].sharding.spec == P(None, "model")
+        assert not np.array_equal(np.asarray(model.kernel[...]), before)
+        stepped = np.asarray(model.kernel[...]).tobytes()
+        data[0, 0] = np.inf
+        step(model, optimizer, scaler, jax.device_put(data, P("data", None)))
+        assert np.asarray(model.kernel[...]).tobytes() == stepped
+        assert float(scaler.get_scale()) == 2.0**7
+
+
 @functools.cache
 def _state_lookup_case():
     model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
