@@ -33,6 +33,9 @@ import sys  # noqa: E402
 import pytest  # noqa: E402
 from support import paths  # noqa: E402
 
+# The model tests' fixtures (support/model_training.py), available to every module.
+pytest_plugins = ["support.model_training"]
+
 WITHOUT_TORCH = os.environ.get("JAXSCALE_TESTS_WITHOUT_TORCH") == "1"
 _NEEDS_TORCH = re.compile(
     r"^(?:(?:import|from) (?:torch|torchao)\b"

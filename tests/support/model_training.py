@@ -9,16 +9,28 @@ standard dtype promotion, as users' code does (the rest of the suite is strict).
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from jax.extend import core as jex
 
+from support.third_party import standard_promotion
+
 MATMULS = ("dot_general", "conv_general_dilated")
+PRECISIONS = [pytest.param(jnp.float16, id="float16"), pytest.param(jnp.bfloat16, id="bfloat16")]
+
+
+@pytest.fixture
+def under_standard_promotion() -> Iterator[None]:
+    """JAX's standard dtype promotion, as the users' code the model tests imitate runs
+    under: each model test module uses it for all its tests (``pytestmark``)."""
+    with standard_promotion():
+        yield
 
 
 def sub_jaxprs(eqn: Any) -> list[Any]:

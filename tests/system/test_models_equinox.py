@@ -14,24 +14,19 @@ import numpy as np
 import optax
 import pytest
 from support.model_training import (
+    PRECISIONS,
     assert_all_matmuls_in,
     assert_trains_like,
     padded_tokens,
     run_steps,
 )
-from support.third_party import standard_promotion
 
 import jaxscale
 
+pytestmark = pytest.mark.usefixtures("under_standard_promotion")
+
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
-PRECISIONS = [pytest.param(F16, id="float16"), pytest.param(BF16, id="bfloat16")]
 VOCAB, LENGTH, WIDTH = 20, 8, 32
-
-
-@pytest.fixture(autouse=True)
-def _standard_promotion():
-    with standard_promotion():
-        yield
 
 
 @eqx.filter_custom_vjp

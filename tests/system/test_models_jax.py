@@ -19,19 +19,18 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from support.model_training import assert_all_matmuls_in, assert_trains_like, run_steps
-from support.third_party import standard_promotion
+from support.model_training import (
+    PRECISIONS,
+    assert_all_matmuls_in,
+    assert_trains_like,
+    run_steps,
+)
 
 import jaxscale
 
+pytestmark = pytest.mark.usefixtures("under_standard_promotion")
+
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
-PRECISIONS = [pytest.param(F16, id="float16"), pytest.param(BF16, id="bfloat16")]
-
-
-@pytest.fixture(autouse=True)
-def _standard_promotion():
-    with standard_promotion():
-        yield
 
 
 def init_mlp(seed, sizes=(8, 32, 32, 1)):

@@ -15,24 +15,19 @@ import optax
 import pytest
 from flax.training import train_state
 from support.model_training import (
+    PRECISIONS,
     assert_all_matmuls_in,
     assert_trains_like,
     padded_tokens,
     run_steps,
 )
-from support.third_party import standard_promotion
 
 import jaxscale
 
+pytestmark = pytest.mark.usefixtures("under_standard_promotion")
+
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
-PRECISIONS = [pytest.param(F16, id="float16"), pytest.param(BF16, id="bfloat16")]
 VOCAB, LENGTH, WIDTH = 20, 8, 32
-
-
-@pytest.fixture(autouse=True)
-def _standard_promotion():
-    with standard_promotion():
-        yield
 
 
 class EncoderDecoder(nn.Module):

@@ -20,24 +20,19 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from support.model_training import (
+    PRECISIONS,
     assert_all_matmuls_in,
     assert_trains_like,
     equations,
     padded_tokens,
 )
-from support.third_party import standard_promotion
 
 import jaxscale
 
+pytestmark = pytest.mark.usefixtures("under_standard_promotion")
+
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
-PRECISIONS = [pytest.param(F16, id="float16"), pytest.param(BF16, id="bfloat16")]
 VOCAB, LENGTH, WIDTH = 24, 8, 32
-
-
-@pytest.fixture(autouse=True)
-def _standard_promotion():
-    with standard_promotion():
-        yield
 
 
 class Block(nnx.Module):
@@ -290,7 +285,7 @@ def test_a_scaled_step_under_an_explicit_sharding_mesh_skips_bitwise():
     # The skip joins the step as one call of its own program: the call, and the
     # selects written into it, must carry the mesh and the shardings of an explicit mesh.
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
-    with jax.set_mesh(mesh), standard_promotion():
+    with jax.set_mesh(mesh):
         model = nnx.Linear(WIDTH, VOCAB, rngs=nnx.Rngs(0))
         model.kernel.set_value(jax.device_put(model.kernel[...], P(None, "model")))
         optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
