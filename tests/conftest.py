@@ -26,6 +26,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # and tests marked `torch` are deselected; the header says how many. Without the
 # variable a missing torch is an import error, never a silent skip.
 
+import functools  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
@@ -85,3 +86,27 @@ def char_lm():
         yield char_lm
     finally:
         sys.path.remove(str(examples))
+
+
+# -- comparisons with PyTorch on a GPU ----------------------------------------------------------
+#
+# PyTorch's CPU, which the tests compare with, multiplies float32 matrices in float32; XLA's
+# GPU backend defaults to TF32 for them. Off the CPU the modules that compare with PyTorch run
+# JAX's matmuls at float32 ("highest"); on the CPU XLA computes float32 anyway and nothing is
+# changed.
+
+
+@pytest.fixture(autouse=True)
+def float32_matmuls_against_pytorch(request):
+    module = getattr(request, "module", None)
+    source = pathlib.Path(module.__file__) if module is not None else None
+    if jax.default_backend() == "cpu" or source is None or not _compares_with_pytorch(source):
+        yield
+        return
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@functools.cache
+def _compares_with_pytorch(source: pathlib.Path) -> bool:
+    return bool(_NEEDS_TORCH.search(source.read_text()))

@@ -200,8 +200,16 @@ def _cpu_leaf_check(leaf: jax.Array) -> jax.Array:
 
 
 def _one_cpu_device() -> bool:
-    """Whether programs compiled for the CPU run on one device (no sharding to respect)."""
-    return len(jax.devices("cpu")) == 1
+    """Whether programs compiled for the CPU run on one device (no sharding to respect).
+
+    False when the CPU backend is not loaded (``JAX_PLATFORMS=cuda``): a program lowered
+    for the CPU from such a process (``jax.export``) may run on any number of devices,
+    and the leaf-by-leaf check is right for all of them.
+    """
+    try:
+        return len(jax.devices("cpu")) == 1
+    except RuntimeError:  # JAX's answer for a platform it did not load
+        return False
 
 
 def _checked_together(leaves: list[jax.Array]) -> list[jax.Array]:

@@ -15,7 +15,7 @@ from jax import lax
 from jax.extend import core as jex
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from support import third_party
+from support import machine, third_party
 
 import jaxscale
 
@@ -129,7 +129,7 @@ def test_the_user_custom_vjp_rule_is_used_for_the_backward_pass():
 
 
 def test_shard_map_body_is_cast():
-    mesh = jax.make_mesh((4,), ("d",))
+    mesh = machine.mesh((4,), ("d",))
     x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("d")))
     fn = jax.shard_map(
         lambda a, w: lax.psum(jnp.sum(a @ w), "d"),
@@ -317,7 +317,8 @@ def test_the_rewrite_adds_nothing_beyond_the_casts_a_hand_cast_version_has():
         return jnp.sum((h @ w16).astype(F32))
 
     def ops(fn):
-        hlo = jax.jit(fn).lower(W, X).compile().as_text()
+        with machine.on_cpu() as cpu:  # the CPU's program: a GPU's dots are library calls
+            hlo = jax.jit(fn).lower(*jax.device_put((W, X), cpu)).compile().as_text()
         return collections.Counter(re.findall(r"= \w+\[[^\]]*\]\{?[^ ]* (\w+)\(", hlo))
 
     assert ops(by_hand)["dot"] == 2

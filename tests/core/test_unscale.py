@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from support import torch_reference
+from support import machine, torch_reference
 
 from jaxscale import all_finite, scale_outputs, unscale_and_check
 from jaxscale.core import _scaling, correctly_rounded_reciprocal, inverse_scale
@@ -245,7 +245,7 @@ def test_leaves_of_one_shape_are_reduced_together_without_reduce_windows(one_cpu
     # XLA's CPU backend splits a reduction of one operand into two reduce-window
     # kernels and a reduce (three kernels to compile per leaf); a reduction of
     # several operands is left whole. 16 leaves of one shape: two reductions of 8.
-    cpu = jax.devices("cpu")[0]  # the CPU's program, whatever the default backend
+    cpu = machine.cpu_device()  # the CPU's program, whatever the default backend
     tree = {f"layer{i:02d}": jax.device_put(jnp.ones((64, 33)), cpu) for i in range(16)}
     text = jax.jit(all_finite).lower(tree).compile().as_text()
     assert text.count("reduce-window(") == 0
@@ -262,9 +262,27 @@ def test_a_single_device_process_groups_its_checks():
         "text = jax.jit(all_finite).lower(tree).compile().as_text(); "
         "print(len(jax.devices('cpu')), text.count('reduce-window('), bool(all_finite(tree)))"
     )
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert result.stdout.split() == ["1", "0", "True"], result.stderr
+
+
+def test_a_process_without_the_cpu_backend_checks_leaf_by_leaf(monkeypatch):
+    # With JAX_PLATFORMS=cuda JAX loads no CPU backend and answers a question about
+    # CPU devices with a RuntimeError; the check must not ask it an unguarded one.
+    real_devices = jax.devices
+
+    def devices_without_cpu(backend=None):
+        if backend == "cpu":
+            raise RuntimeError("Unknown backend cpu. Available backends are ['cuda']")
+        return real_devices(backend)
+
+    monkeypatch.setattr(jax, "devices", devices_without_cpu)
+    assert _scaling._one_cpu_device() is False  # the check that is right for any sharding
+    tree = {f"layer{i}": jnp.ones((64, 33)) for i in range(4)}
+    check = jax.jit(all_finite)
+    assert bool(check(tree))
+    assert not bool(check({**tree, "layer2": tree["layer2"].at[5, 7].set(np.nan)}))
 
 
 @pytest.mark.parametrize("shape", [(3, 128, 64), (128, 129), (64, 2048)])
@@ -279,7 +297,7 @@ def test_large_leaves_of_any_shape_are_checked(shape):
 def test_leaves_of_one_shape_sharded_differently_are_not_gathered():
     # Several devices: each leaf is checked on its own, where it lies (a reduction of
     # several operands would first give them one sharding).
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+    mesh = Mesh(np.array(machine.devices(8)).reshape(2, 4), ("a", "b"))
     specs = {"rows": P("a"), "columns": P(None, "b"), "both": P("b", "a")}
     tree = {
         k: jax.device_put(jnp.ones((256, 256)), NamedSharding(mesh, s)) for k, s in specs.items()
@@ -293,7 +311,7 @@ def test_leaves_of_one_shape_sharded_differently_are_not_gathered():
 def test_a_sharded_leaf_is_checked_where_it_lies(spec):
     # The check folds neighbours along the last axis, so each device folds its own
     # block: the only collective is the all-reduce of the verdict.
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+    mesh = Mesh(np.array(machine.devices(8)).reshape(2, 4), ("a", "b"))
     leaf = jax.device_put(jnp.ones((256, 2048)), NamedSharding(mesh, spec))
     text = jax.jit(all_finite).lower({"w": leaf}).compile().as_text()
     assert re.findall(r"= \S+ (all-gather|all-to-all|collective-permute)", text) == []

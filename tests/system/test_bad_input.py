@@ -22,7 +22,7 @@ import optax
 import pytest
 import torch
 from flax import nnx
-from support import paths, third_party
+from support import machine, paths, third_party
 
 import jaxscale
 from jaxscale import GradScaler
@@ -80,7 +80,7 @@ class World:
 
 
 def other_device_scale() -> jax.Array:
-    return jax.device_put(jnp.array(8.0, jnp.float32), jax.devices()[1])
+    return jax.device_put(jnp.array(8.0, jnp.float32), machine.devices(2)[1])
 
 
 @dataclasses.dataclass(frozen=True)

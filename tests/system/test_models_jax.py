@@ -19,6 +19,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import machine
 from support.model_training import (
     PRECISIONS,
     assert_all_matmuls_in,
@@ -221,7 +222,7 @@ def test_jax_nn_dot_product_attention_with_a_padding_mask(precision):
 
 
 def test_shard_map_data_parallel_training_with_autocast_inside():
-    mesh = jax.make_mesh((4,), ("data",))
+    mesh = machine.mesh((4,), ("data",))
     tx = jaxscale.grad_scaler(optax.adam(1e-2), init_scale=2.0**10, axis_name="data")
     loss_fn = jaxscale.autocast(mse)
 
@@ -266,7 +267,7 @@ def test_shard_map_data_parallel_training_with_autocast_inside():
 
 
 def test_pmap_data_parallel_step_with_autocast_inside():
-    devices = jax.devices()[:2]
+    devices = machine.devices(2)
     tx = jaxscale.grad_scaler(optax.adam(1e-2), init_scale=2.0**10, axis_name="batch")
     loss_fn = jaxscale.autocast(mse)
 

@@ -19,6 +19,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import machine
 from support.model_training import (
     PRECISIONS,
     assert_all_matmuls_in,
@@ -259,7 +260,7 @@ def test_batchnorm_cnn_with_dropout_trains_and_keeps_its_statistics(precision):
 def test_explicit_sharding_mesh_as_in_the_nnx_tutorials():
     # jax.make_mesh's axes are Explicit: every re-bound operation must keep the mesh
     # context it was traced under (an out_sharding gather runs under an Auto one)
-    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    mesh = machine.mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     with jax.set_mesh(mesh):
         embed = nnx.Embed(VOCAB, WIDTH, rngs=nnx.Rngs(0))
         head = nnx.Linear(WIDTH, VOCAB, rngs=nnx.Rngs(1))
@@ -284,7 +285,7 @@ def test_explicit_sharding_mesh_as_in_the_nnx_tutorials():
 def test_a_scaled_step_under_an_explicit_sharding_mesh_skips_bitwise():
     # The skip joins the step as one call of its own program: the call, and the
     # selects written into it, must carry the mesh and the shardings of an explicit mesh.
-    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    mesh = machine.mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     with jax.set_mesh(mesh):
         model = nnx.Linear(WIDTH, VOCAB, rngs=nnx.Rngs(0))
         model.kernel.set_value(jax.device_put(model.kernel[...], P(None, "model")))

@@ -12,6 +12,7 @@ bit-identically; a process that dies makes the others stop with JAX's error.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import time
 
@@ -37,6 +38,8 @@ def multi_host():
 @pytest.fixture
 def run(multi_host, tmp_path, monkeypatch):
     monkeypatch.setenv("MULTI_HOST_OUT", str(tmp_path))
+    # The job's processes are CPU hosts joined by gloo, whatever platform runs the suite.
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.chdir(tmp_path)
 
     def run(*argv: str, timeout: float = 240.0):
@@ -54,7 +57,10 @@ def single_process(multi_host, tmp_path, *argv: str) -> dict:
 
     command = [sys.executable, str(EXAMPLES / "multi_host.py"), "--local-devices", "4",
                *argv, "--out", str(out)]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # as the multi-process job's hosts
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(out.read_text())
 

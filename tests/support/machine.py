@@ -1,0 +1,75 @@
+"""The machine the suite runs on: its platform and its devices.
+
+By default the suite runs on the CPU with 8 simulated devices (``tests/conftest.py``).
+With ``JAX_PLATFORMS=cuda`` it runs on a GPU, where a machine may have a single
+device, and a test asks here for what it needs:
+
+* :func:`devices` for a test of several devices: on a GPU machine with fewer, the
+  test is skipped and says how many it needed; on the CPU too few devices is a broken
+  set-up (the simulated devices were not configured) and fails, so a CPU run never
+  skips one of these tests.
+* :func:`on_cpu` for a test of the program XLA's CPU backend compiles (its fusions,
+  copies, reductions): it runs on the CPU device whatever the default platform is,
+  and is skipped, saying so, only where the CPU backend is not loaded
+  (``JAX_PLATFORMS=cuda``; ``JAX_PLATFORMS=cuda,cpu`` runs it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import pytest
+
+PLATFORM = jax.default_backend()
+SIMULATED_CPU_DEVICES = 8  # what conftest asks XLA for
+
+
+def devices(count: int) -> list[Any]:
+    """The first ``count`` devices of the default platform."""
+    found = jax.devices()
+    if len(found) >= count:
+        return found[:count]
+    needs = f"needs {count} devices; this {PLATFORM} machine has {len(found)}"
+    if PLATFORM == "cpu":
+        pytest.fail(
+            f"{needs}: the suite asks XLA for {SIMULATED_CPU_DEVICES} simulated CPU devices "
+            "(tests/conftest.py); does XLA_FLAGS set another count?"
+        )
+    pytest.skip(needs)
+
+
+def every_device() -> list[Any]:
+    """Every device of the default platform: the simulated ones on the CPU (where fewer
+    fails, as in :func:`devices`), the machine's own elsewhere."""
+    return devices(SIMULATED_CPU_DEVICES) if PLATFORM == "cpu" else jax.devices()
+
+
+def mesh(shape: tuple[int, ...], names: tuple[str, ...], **kwargs: Any) -> jax.sharding.Mesh:
+    """``jax.make_mesh(shape, names, **kwargs)`` over :func:`devices` of the needed count."""
+    count = 1
+    for size in shape:
+        count *= size
+    return jax.make_mesh(shape, names, devices=devices(count), **kwargs)
+
+
+def cpu_device() -> Any:
+    """The first CPU device, or a skip naming why there is none."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        pytest.skip(
+            f"asserts what XLA's CPU backend compiles, and the CPU backend is not loaded "
+            f"(default platform {PLATFORM}); JAX_PLATFORMS={PLATFORM},cpu runs it"
+        )
+
+
+@contextlib.contextmanager
+def on_cpu() -> Iterator[Any]:
+    """Run the body with the CPU device as JAX's default device (see :func:`cpu_device`):
+    arrays it creates, and programs compiled for them, are the CPU's."""
+    device = cpu_device()
+    with jax.default_device(device):
+        yield device
