@@ -38,10 +38,11 @@ from support import paths  # noqa: E402
 pytest_plugins = ["support.model_training"]
 
 WITHOUT_TORCH = os.environ.get("JAXSCALE_TESTS_WITHOUT_TORCH") == "1"
+_TORCH_SUPPORT = r"(?:torch_reference|torch_twins|torch_transformer|facade_drivers)\b"
 _NEEDS_TORCH = re.compile(
     r"^(?:(?:import|from) (?:torch|torchao)\b"
-    r"|from support(?:\.| import )"
-    r"(?:torch_reference|torch_twins|torch_transformer|facade_drivers)\b)",
+    rf"|from support\.{_TORCH_SUPPORT}"
+    rf"|from support import [^\n]*\b{_TORCH_SUPPORT})",
     re.MULTILINE,
 )
 

@@ -43,8 +43,7 @@ def test_a_cpu_program_test_says_how_to_run_it_without_the_cpu_backend(monkeypat
     monkeypatch.setattr(machine, "PLATFORM", "gpu")
     monkeypatch.setattr(jax, "devices", without_cpu)
     with pytest.raises(pytest.skip.Exception, match=r"JAX_PLATFORMS=gpu,cpu runs it"):
-        with machine.on_cpu():
-            pass
+        machine.cpu_device()
 
 
 def test_on_cpu_makes_the_cpu_device_the_default():
