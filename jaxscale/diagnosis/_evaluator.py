@@ -53,9 +53,11 @@ class CarryingEvaluator:
         """What the evaluation keeps about each value beside it (``None`` by default)."""
         return None
 
-    def output_infos(self, eqn: Any, in_infos: list[Any], outvals: list[Any]) -> list[Any]:
+    def output_infos(
+        self, eqn: Any, invals: list[Any], in_infos: list[Any], outvals: list[Any]
+    ) -> list[Any]:
         """What is kept about an equation's outputs: :meth:`value_info` of each, unless a
-        subclass knows it from the inputs' without looking at the values."""
+        subclass knows it from the inputs (their values or what was kept about them)."""
         return [self.value_info(value) for value in outvals]
 
     def after_equation(
@@ -137,7 +139,7 @@ class CarryingEvaluator:
                 else:
                     carry = self.settle(carry, iteration)
                     outvals, carry = rule(self, eqn, invals, carry, iteration, phase, here)
-                out_infos = self.output_infos(eqn, in_infos, outvals)
+                out_infos = self.output_infos(eqn, invals, in_infos, outvals)
                 for var, value, info in zip(eqn.outvars, outvals, out_infos, strict=True):
                     write(var, value, info)
                 carry = self.after_equation(

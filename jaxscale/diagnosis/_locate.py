@@ -102,10 +102,12 @@ class Locator(CarryingEvaluator):
     def value_info(self, value: Any) -> Any:
         return nonfinite_code(value)
 
-    def output_infos(self, eqn: Any, in_infos: list[Any], outvals: list[Any]) -> list[Any]:
+    def output_infos(
+        self, eqn: Any, invals: list[Any], in_infos: list[Any], outvals: list[Any]
+    ) -> list[Any]:
         if preserves_nonfinite(eqn):
             return [in_infos[0]] * len(outvals)  # exactly the input's: nothing to read
-        return super().output_infos(eqn, in_infos, outvals)
+        return super().output_infos(eqn, invals, in_infos, outvals)
 
     def after_equation(
         self,

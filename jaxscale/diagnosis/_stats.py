@@ -3,9 +3,10 @@
 The same evaluation as :func:`jaxscale.locate_nonfinite` (every value bitwise the
 function's own), carrying per matmul the largest magnitude of each operand and of
 the output, and how many output elements fell below the output dtype's smallest
-normal number (flushed to zero or subnormal) or overflowed to infinity. Inside
-loops the figures accumulate over iterations. These are the numbers that choose
-between float16 and bfloat16, a loss scale, or a float8 scale.
+normal number (flushed to zero or subnormal) or overflowed to infinity; for a float8
+matmul, how much of each operand its cast to float8 lost. Inside loops the figures
+accumulate over iterations. These are the numbers that choose between float16 and
+bfloat16, a loss scale, or a float8 recipe.
 """
 
 from __future__ import annotations
@@ -24,7 +25,17 @@ from jaxscale.diagnosis._frames import Location
 
 F = TypeVar("F", bound=Callable[..., Any])
 MATMULS = ("dot_general", "conv_general_dilated")
-_FIELDS = ("lhs_amax", "rhs_amax", "out_amax", "small", "overflow", "elements")
+_FIELDS = (
+    "lhs_amax", "rhs_amax", "out_amax", "small", "overflow", "elements",
+    "lhs_cast_lost", "lhs_cast_elements", "rhs_cast_lost", "rhs_cast_elements",
+)  # fmt: skip
+FLOAT8_DTYPES = tuple(
+    np.dtype(t) for t in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz,
+                          jnp.float8_e5m2fnuz, jnp.float8_e4m3b11fnuz)
+)  # fmt: skip
+# Operations after a float8 cast that keep its figures with the data (the float8 matmul
+# puts its operands through an optimization barrier; a hand-written one may reshape them).
+_KEEPS_CAST = ("optimization_barrier", "reshape", "transpose", "squeeze", "expand_dims", "copy")
 
 
 def _empty() -> dict[str, jax.Array]:
@@ -42,25 +53,59 @@ def _amax(value: Any) -> jax.Array:
     return jnp.max(jnp.abs(value)).astype(jnp.float32)
 
 
+def is_float8(dtype: Any) -> bool:
+    return np.dtype(dtype) in FLOAT8_DTYPES
+
+
+def _cast_figures(before: jax.Array, after: jax.Array) -> dict[str, jax.Array]:
+    """What a cast to float8 lost: the elements non-zero before it that are zero or
+    subnormal after it, and the count of elements."""
+    tiny = float(jnp.finfo(after.dtype).tiny)
+    lost = (before != 0) & (jnp.abs(after.astype(jnp.float32)) < tiny)
+    return {"lost": jnp.sum(lost).astype(jnp.float32), "elements": jnp.float32(after.size)}
+
+
+def _fraction(part: jax.Array, whole: jax.Array) -> jax.Array:
+    """``part / whole``, NaN where ``whole`` is 0 (nothing was measured)."""
+    return jnp.where(whole > 0, part / jnp.maximum(whole, 1), jnp.nan)
+
+
 class StatsCollector(CarryingEvaluator):
     """Carries ``{key: accumulators}`` for every matmul and convolution met."""
 
     def __init__(self) -> None:
         self._keys: dict[tuple[int, str], str] = {}
 
-    def key(self, eqn: Any, phase: Phase, here: Location, dtype: Any) -> str:
-        """A stable, readable key: line, primitive, phase and output dtype, numbered when
+    def key(self, eqn: Any, phase: Phase, here: Location, dtypes: str) -> str:
+        """A stable, readable key: line, primitive, phase and dtypes, numbered when
         one line holds several (a layer's forward and its two backward matmuls differ by
         phase; an einsum of two products by number)."""
         base = (
             f"{here.user or here.library or 'unknown line'} {eqn.primitive.name} "
-            f"{'backward' if phase.backward else 'forward'} ({np.dtype(dtype).name})"
+            f"{'backward' if phase.backward else 'forward'} ({dtypes})"
         )
         identity = (id(eqn), base)
         if identity not in self._keys:
             taken = sum(1 for key in self._keys.values() if key.split(" #")[0] == base)
             self._keys[identity] = base if taken == 0 else f"{base} #{taken + 1}"
         return self._keys[identity]
+
+    def output_infos(
+        self, eqn: Any, invals: list[Any], in_infos: list[Any], outvals: list[Any]
+    ) -> list[Any]:
+        """A cast to float8 keeps what it lost with its result, and the operations that
+        only move the data on (:data:`_KEEPS_CAST`) pass that along, so the matmul that
+        reads the float8 operand can report it."""
+        name = eqn.primitive.name
+        if name == "convert_element_type" and is_float8(outvals[0].dtype):
+            if not is_float8(invals[0].dtype):
+                return [_cast_figures(invals[0], outvals[0])]
+            return [in_infos[0]]
+        if name == "optimization_barrier":
+            return list(in_infos)
+        if name in _KEEPS_CAST:
+            return [in_infos[0], *[None] * (len(outvals) - 1)]
+        return [None] * len(outvals)
 
     def after_equation(
         self,
@@ -74,7 +119,7 @@ class StatsCollector(CarryingEvaluator):
         phase: Phase,
         here: Location,
     ) -> Any:
-        del in_infos, out_infos, iteration
+        del out_infos, iteration
         if eqn.primitive.name not in MATMULS:
             return carry
         out = outvals[0]
@@ -91,7 +136,17 @@ class StatsCollector(CarryingEvaluator):
             "overflow": jnp.sum(jnp.isinf(out)).astype(jnp.float32),
             "elements": jnp.float32(out.size),
         }
-        key = self.key(eqn, phase, here, out.dtype)
+        for side, info in (("lhs", in_infos[0]), ("rhs", in_infos[1])):
+            cast = info or {"lost": jnp.float32(0), "elements": jnp.float32(0)}
+            figures[f"{side}_cast_lost"] = cast["lost"]
+            figures[f"{side}_cast_elements"] = cast["elements"]
+        float8 = is_float8(lhs.dtype) or is_float8(rhs.dtype)
+        dtypes = (
+            f"{np.dtype(lhs.dtype).name} @ {np.dtype(rhs.dtype).name}"
+            if float8
+            else np.dtype(out.dtype).name
+        )
+        key = self.key(eqn, phase, here, dtypes)
         carry = dict(carry)
         carry[key] = _merge(carry.get(key, _empty()), figures)
         return carry
@@ -119,6 +174,15 @@ def precision_stats(fn: F) -> Callable[..., tuple[Any, dict[str, dict[str, jax.A
       smallest normal number (zero or subnormal);
     * ``overflow``: the fraction of output elements that are infinite.
 
+    A matmul of float8 operands (``autocast(..., float8=...)``, or
+    :func:`jaxscale.quantize_float8` by hand) is keyed by its operands' types,
+    ``"... dot_general backward (float8_e5m2 @ float8_e4m3fn)"``, and adds
+    ``lhs_float8_underflow`` and ``rhs_float8_underflow``: the fraction of each
+    operand's elements that were non-zero before the cast to float8 and are zero or
+    subnormal after it (what the scale could not keep in float8's range; NaN for an
+    operand that was not cast in the function). Its amaxes and output figures are in
+    the scaled units the float8 matmul computes in, before its scales are divided out.
+
     Inside loops the figures cover every iteration. It is jittable (no callback,
     no transfer) and composes with :func:`jaxscale.autocast`: wrap the autocast
     function to see the float16 or bfloat16 matmuls it runs.
@@ -139,16 +203,24 @@ def precision_stats(fn: F) -> Callable[..., tuple[Any, dict[str, dict[str, jax.A
         collector = StatsCollector()
         closed = call.closed
         outs, carry = collector.eval(closed.jaxpr, closed.consts, call.inputs, {}, NOT_IN_A_LOOP)
-        stats = {
-            key: {
-                "lhs_amax": acc["lhs_amax"],
-                "rhs_amax": acc["rhs_amax"],
-                "out_amax": acc["out_amax"],
-                "underflow": acc["small"] / acc["elements"],
-                "overflow": acc["overflow"] / acc["elements"],
-            }
-            for key, acc in carry.items()
-        }
+        stats = {key: _report(key, acc) for key, acc in carry.items()}
         return call.finish(outs), stats
 
     return measured
+
+
+def _report(key: str, acc: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The figures of one matmul from its accumulators (float8 ones for a float8 key)."""
+    report = {
+        "lhs_amax": acc["lhs_amax"],
+        "rhs_amax": acc["rhs_amax"],
+        "out_amax": acc["out_amax"],
+        "underflow": acc["small"] / acc["elements"],
+        "overflow": acc["overflow"] / acc["elements"],
+    }
+    if " @ " in key.rsplit(" (", 1)[-1]:  # a float8 matmul's key names both operands
+        for side in ("lhs", "rhs"):
+            report[f"{side}_float8_underflow"] = _fraction(
+                acc[f"{side}_cast_lost"], acc[f"{side}_cast_elements"]
+            )
+    return report

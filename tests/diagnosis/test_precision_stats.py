@@ -97,3 +97,112 @@ def test_convolutions_are_measured():
 def test_bad_argument():
     with pytest.raises(TypeError, match="precision_stats expects a callable, got str 'f'"):
         jaxscale.precision_stats("f")
+
+
+# -- float8 matmuls --------------------------------------------------------------------------
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def float8_projection(x, w):
+    x8, x_scale = jaxscale.quantize_float8(x, E4M3)
+    w8, w_scale = jaxscale.quantize_float8(w, E4M3)
+    dims = (((1,), (0,)), ((), ()))
+    product = lax.dot_general(x8, w8, dims, preferred_element_type=F32)  # <- measured
+    return product / (x_scale * w_scale)
+
+
+def lost_by_the_cast(values, dtype):
+    """NumPy's count: elements non-zero that the float8 cast makes zero or subnormal."""
+    data, _ = jaxscale.quantize_float8(jnp.asarray(values), dtype)
+    data = np.asarray(data).astype(np.float32)
+    return np.mean((np.asarray(values) != 0) & (np.abs(data) < float(jnp.finfo(dtype).tiny)))
+
+
+def test_a_float8_matmul_reports_what_each_operands_cast_lost():
+    # x's amax is 448, so its scale is 1 and its values are cast as they are. e4m3's
+    # smallest normal is 2**-6: 2**-7 and 2**-9 become subnormal, 2**-11 becomes zero,
+    # 0 stays 0 (nothing lost), and 448, 1, 0.5 and 2**-6 are kept.
+    row = [448.0, 1.0, 2.0**-7, 2.0**-9, 2.0**-11, 0.0, 0.5, 2.0**-6] * 2
+    x = jnp.asarray([row] * 16, F32)
+    w = jnp.ones((16, 16), F32)
+    out, stats = jaxscale.precision_stats(float8_projection)(x, w)
+    np.testing.assert_array_equal(out, float8_projection(x, w))
+    key = f"{line_of(float8_projection)} dot_general forward (float8_e4m3fn @ float8_e4m3fn)"
+    assert list(stats) == [key]
+    figures = values(stats)[key]
+    assert figures["lhs_float8_underflow"] == 3 / 8  # 2**-7, 2**-9, 2**-11 of 8
+    assert figures["lhs_float8_underflow"] == lost_by_the_cast(x, E4M3)
+    assert figures["rhs_float8_underflow"] == 0.0
+    assert figures["lhs_amax"] == 448.0  # in the float8 matmul's scaled units
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_autocast_float8_recipes_name_each_matmuls_float8_types(recipe):
+    def loss(w, x):
+        return jnp.mean(projection(w.T, x).astype(F32) ** 2)
+
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.normal(size=(48, 64)) * 0.1, F32)
+    x = jnp.asarray(rng.standard_t(2, size=(32, 64)), F32)  # heavy tails: outliers
+    grad = jax.grad(jaxscale.autocast(loss, dtype=jnp.bfloat16, float8=recipe))
+    got, stats = jax.jit(jaxscale.precision_stats(grad))(w, x)
+    np.testing.assert_array_equal(got, jax.jit(grad)(w, x))
+    line = line_of(projection)
+    kinds = {key.removeprefix(line + " ").split(" #")[0] for key in stats}
+    expected = {
+        "tensorwise": {
+            "dot_general forward (float8_e4m3fn @ float8_e4m3fn)",
+            "dot_general backward (float8_e5m2 @ float8_e4m3fn)",  # grad_output @ weight
+            "dot_general backward (float8_e4m3fn @ float8_e5m2)",  # input.T @ grad_output
+        },
+        "rowwise": {
+            "dot_general forward (float8_e4m3fn @ float8_e4m3fn)",
+            "dot_general backward (float8_e4m3fn @ float8_e4m3fn)",
+        },
+        "rowwise_with_gw_hp": {
+            "dot_general forward (float8_e4m3fn @ float8_e4m3fn)",
+            "dot_general backward (float8_e4m3fn @ float8_e4m3fn)",
+            "dot_general backward (bfloat16)",  # the weight gradient in high precision
+        },
+    }[recipe]
+    assert kinds == expected
+    forward = values(stats)[f"{line} dot_general forward (float8_e4m3fn @ float8_e4m3fn)"]
+    # the input is quantized along its rows (rowwise) or as a whole (tensorwise)
+    axis = None if recipe == "tensorwise" else 1
+    data, _ = jaxscale.quantize_float8(x, E4M3, axis=axis, power_of_2=recipe != "tensorwise")
+    tiny = float(jnp.finfo(E4M3).tiny)
+    lost = np.mean((np.asarray(x) != 0) & (np.abs(np.asarray(data).astype(np.float32)) < tiny))
+    assert forward["lhs_float8_underflow"] == pytest.approx(lost, abs=0)
+    assert lost > 0  # the heavy tails put some of x below float8's normal range
+    for key, figures in values(stats).items():
+        if "@" in key:
+            assert 0.0 <= figures["lhs_float8_underflow"] < 1.0, key
+            assert 0.0 <= figures["rhs_float8_underflow"] < 1.0, key
+        else:
+            assert "lhs_float8_underflow" not in figures, key
+
+
+def test_a_float8_argument_has_no_cast_to_report():
+    def given_float8(x8, w8):
+        return lax.dot_general(x8, w8, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+
+    x8 = jnp.ones((16, 16), E4M3)
+    _, stats = jaxscale.precision_stats(given_float8)(x8, x8)
+    (figures,) = values(stats).values()
+    assert np.isnan(figures["lhs_float8_underflow"])  # nothing measured, not "nothing lost"
+    assert np.isnan(figures["rhs_float8_underflow"])
+
+
+def test_float8_figures_accumulate_over_a_loop():
+    x = jnp.asarray([[448.0, 2.0**-11] * 8] * 16, F32)  # half of x lost in the cast
+    w = jnp.ones((16, 16), F32)
+
+    def looped(x, w):
+        return lax.fori_loop(0, 3, lambda i, acc: acc + float8_projection(x * (i + 1), w),
+                             jnp.zeros((16, 16), F32))  # fmt: skip
+
+    _, stats = jaxscale.precision_stats(looped)(x, w)
+    (figures,) = values(stats).values()
+    # iterations scale x by 1, 2, 3; the scale brings the amax back to 448 each time
+    assert figures["lhs_float8_underflow"] == 0.5
