@@ -138,7 +138,12 @@ class CarryingEvaluator:
                     outvals = bind_in_context(eqn, invals)
                 else:
                     carry = self.settle(carry, iteration)
-                    outvals, carry = rule(self, eqn, invals, carry, iteration, phase, here)
+                    enclosing = self._enclosing()
+                    enclosing.append(here)
+                    try:
+                        outvals, carry = rule(self, eqn, invals, carry, iteration, phase, here)
+                    finally:
+                        enclosing.pop()
                 out_infos = self.output_infos(eqn, invals, in_infos, outvals)
                 for var, value, info in zip(eqn.outvars, outvals, out_infos, strict=True):
                     write(var, value, info)
@@ -152,7 +157,21 @@ class CarryingEvaluator:
             # inside a library's jitted function: the containing equation's line (the
             # library's traced code may have been cached from another call site)
             return place
-        return location(equation_frames(eqn))
+        found = location(equation_frames(eqn))
+        if found.user:
+            return found
+        # JAX keeps only the innermost frames of a traceback, and the body of a
+        # library's loop (nnx.RNN's scan over an LSTMCell) may keep no frame of the
+        # user's: the user's line is then that of the loop, the innermost enclosing
+        # equation that has one.
+        outer = next((where for where in reversed(self._enclosing()) if where.user), None)
+        if outer is None:
+            return found
+        return Location(outer.user, found.library or outer.library, outer.path)
+
+    def _enclosing(self) -> list[Location]:
+        """The locations of the higher-order equations being evaluated, outermost first."""
+        return self.__dict__.setdefault("_enclosing_locations", [])
 
 
 # -- higher-order equations ------------------------------------------------------------------

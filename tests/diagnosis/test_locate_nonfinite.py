@@ -139,6 +139,30 @@ def test_an_operation_of_a_library_function_names_the_users_line():
     expect(report, "forward", "log", line_of(where_in_a_library_jit), "inf", "float32")
 
 
+class Recurrent(nnx.Module):
+    """An LSTM from Flax's own layers: the cell's matmuls run inside nnx.RNN's scan,
+    traced so deep in Flax that JAX keeps none of the user's frames with them."""
+
+    def __init__(self, rngs):
+        self.rnn = nnx.RNN(nnx.LSTMCell(4, 8, rngs=rngs))
+
+    def __call__(self, x):
+        return self.rnn(x)  # <- origin
+
+
+def test_inside_a_library_loop_the_users_line_is_the_loops():
+    model = Recurrent(nnx.Rngs(0))
+    x = jnp.ones((2, 10, 4), F32).at[1, 6, 2].set(7e4)  # float16's max is 65504
+
+    def loss(model, x):
+        return jnp.sum(jaxscale.autocast(model)(x).astype(F32))
+
+    _, report = nnx.jit(jaxscale.locate_nonfinite(loss))(model, x)
+    where = f"{line_of(Recurrent)} (in flax/nnx/nn/linear.py:"
+    assert report.describe().startswith(f"forward convert_element_type at {where}")
+    assert report.describe().endswith(", iteration 6: inf (float16)")
+
+
 # -- arguments -----------------------------------------------------------------------------
 
 
