@@ -55,6 +55,14 @@ def mesh(shape: tuple[int, ...], names: tuple[str, ...], **kwargs: Any) -> jax.s
     return jax.make_mesh(shape, names, devices=devices(count), **kwargs)
 
 
+def has_platform(platform: str) -> bool:
+    """Whether JAX has loaded ``platform`` (``"gpu"``, ``"tpu"``, ``"cpu"``) here."""
+    try:
+        return bool(jax.devices(platform))
+    except RuntimeError:  # JAX's answer for a platform it did not load
+        return False
+
+
 def cpu_device() -> Any:
     """The first CPU device, or a skip naming why there is none."""
     try:

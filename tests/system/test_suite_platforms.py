@@ -50,3 +50,8 @@ def test_on_cpu_makes_the_cpu_device_the_default():
     with machine.on_cpu() as cpu:
         assert jax.numpy.ones(3).devices() == {cpu}
         assert cpu.platform == "cpu"
+
+
+def test_a_platform_jax_did_not_load_is_absent():
+    assert machine.has_platform(machine.PLATFORM)
+    assert not machine.has_platform("no_such_platform")
