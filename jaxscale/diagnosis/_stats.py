@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale.casting._float8 import FLOAT8_CAST
 from jaxscale.core._stateful_call import TracedCall
 from jaxscale.diagnosis._evaluator import NOT_IN_A_LOOP, CarryingEvaluator, Phase
 from jaxscale.diagnosis._frames import Location
@@ -58,11 +59,30 @@ def is_float8(dtype: Any) -> bool:
 
 
 def _cast_figures(before: jax.Array, after: jax.Array) -> dict[str, jax.Array]:
-    """What a cast to float8 lost: the elements non-zero before it that are zero or
-    subnormal after it, and the count of elements."""
+    """What a cast to float8 was given and lost: the largest magnitude before it, the
+    elements non-zero before it that are zero or subnormal after it, and the count of
+    elements."""
     tiny = float(jnp.finfo(after.dtype).tiny)
     lost = (before != 0) & (jnp.abs(after.astype(jnp.float32)) < tiny)
-    return {"lost": jnp.sum(lost).astype(jnp.float32), "elements": jnp.float32(after.size)}
+    return {
+        "amax": _amax(before),
+        "lost": jnp.sum(lost).astype(jnp.float32),
+        "elements": jnp.float32(after.size),
+    }
+
+
+def _unscaled(out: jax.Array, lhs_cast: Any, rhs_cast: Any) -> jax.Array:
+    """A float8 matmul's output with both operands' scales divided out, where both are
+    known and broadcast against it (as ``quantize_float8``'s do for ``(M, K) @ (K, N)``);
+    else the output as computed."""
+    if not (lhs_cast and rhs_cast and "scale" in lhs_cast and "scale" in rhs_cast):
+        return out
+    scales = lhs_cast["scale"] * rhs_cast["scale"]
+    try:
+        shape = np.broadcast_shapes(scales.shape, out.shape)
+    except ValueError:
+        return out
+    return out / scales if shape == out.shape else out
 
 
 def _fraction(part: jax.Array, whole: jax.Array) -> jax.Array:
@@ -97,6 +117,9 @@ class StatsCollector(CarryingEvaluator):
         only move the data on (:data:`_KEEPS_CAST`) pass that along, so the matmul that
         reads the float8 operand can report it."""
         name = eqn.primitive.name
+        if name == "jit" and eqn.params.get("name") == FLOAT8_CAST:
+            # quantize_float8's scaled cast: the high-precision tensor and its scale
+            return [{**_cast_figures(invals[0], outvals[0]), "scale": invals[1]}]
         if name == "convert_element_type" and is_float8(outvals[0].dtype):
             if not is_float8(invals[0].dtype):
                 return [_cast_figures(invals[0], outvals[0])]
@@ -126,17 +149,20 @@ class StatsCollector(CarryingEvaluator):
         if not jnp.issubdtype(out.dtype, jnp.floating):
             return carry
         lhs, rhs = invals[0], invals[1]
+        lhs_cast, rhs_cast = in_infos[0], in_infos[1]
+        out = _unscaled(out, lhs_cast, rhs_cast)
         tiny = float(jnp.finfo(out.dtype).tiny)
         magnitude = jnp.abs(out)
         figures = {
-            "lhs_amax": _amax(lhs),
-            "rhs_amax": _amax(rhs),
+            # a float8 operand's figure is that of the values its cast was given
+            "lhs_amax": lhs_cast["amax"] if lhs_cast else _amax(lhs),
+            "rhs_amax": rhs_cast["amax"] if rhs_cast else _amax(rhs),
             "out_amax": _amax(jnp.where(jnp.isfinite(out), out, 0)),
             "small": jnp.sum(magnitude < tiny).astype(jnp.float32),
             "overflow": jnp.sum(jnp.isinf(out)).astype(jnp.float32),
             "elements": jnp.float32(out.size),
         }
-        for side, info in (("lhs", in_infos[0]), ("rhs", in_infos[1])):
+        for side, info in (("lhs", lhs_cast), ("rhs", rhs_cast)):
             cast = info or {"lost": jnp.float32(0), "elements": jnp.float32(0)}
             figures[f"{side}_cast_lost"] = cast["lost"]
             figures[f"{side}_cast_elements"] = cast["elements"]
@@ -180,8 +206,10 @@ def precision_stats(fn: F) -> Callable[..., tuple[Any, dict[str, dict[str, jax.A
     ``lhs_float8_underflow`` and ``rhs_float8_underflow``: the fraction of each
     operand's elements that were non-zero before the cast to float8 and are zero or
     subnormal after it (what the scale could not keep in float8's range; NaN for an
-    operand that was not cast in the function). Its amaxes and output figures are in
-    the scaled units the float8 matmul computes in, before its scales are divided out.
+    operand that was not cast in the function). Its figures are in the units of the
+    high-precision values: each operand's amax is that of the values its cast was
+    given, and for operands cast by :func:`jaxscale.quantize_float8` (every recipe's)
+    the output's figures are those of the product with both scales divided out.
 
     Inside loops the figures cover every iteration. It is jittable (no callback,
     no transfer) and composes with :func:`jaxscale.autocast`: wrap the autocast

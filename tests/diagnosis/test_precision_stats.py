@@ -125,7 +125,7 @@ def test_a_float8_matmul_reports_what_each_operands_cast_lost():
     # 0 stays 0 (nothing lost), and 448, 1, 0.5 and 2**-6 are kept.
     row = [448.0, 1.0, 2.0**-7, 2.0**-9, 2.0**-11, 0.0, 0.5, 2.0**-6] * 2
     x = jnp.asarray([row] * 16, F32)
-    w = jnp.ones((16, 16), F32)
+    w = jnp.full((16, 16), 2.0**-12, F32).at[3, 5].set(-2.0)  # scale 224: nothing lost
     out, stats = jaxscale.precision_stats(float8_projection)(x, w)
     np.testing.assert_array_equal(out, float8_projection(x, w))
     key = f"{line_of(float8_projection)} dot_general forward (float8_e4m3fn @ float8_e4m3fn)"
@@ -134,7 +134,11 @@ def test_a_float8_matmul_reports_what_each_operands_cast_lost():
     assert figures["lhs_float8_underflow"] == 3 / 8  # 2**-7, 2**-9, 2**-11 of 8
     assert figures["lhs_float8_underflow"] == lost_by_the_cast(x, E4M3)
     assert figures["rhs_float8_underflow"] == 0.0
-    assert figures["lhs_amax"] == 448.0  # in the float8 matmul's scaled units
+    # the figures of the values the casts were given, and of the output with the
+    # scales divided out: not the float8 data's 448s
+    assert figures["lhs_amax"] == 448.0
+    assert figures["rhs_amax"] == 2.0
+    assert figures["out_amax"] == float(jnp.max(jnp.abs(out)))
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
@@ -175,6 +179,11 @@ def test_autocast_float8_recipes_name_each_matmuls_float8_types(recipe):
     lost = np.mean((np.asarray(x) != 0) & (np.abs(np.asarray(data).astype(np.float32)) < tiny))
     assert forward["lhs_float8_underflow"] == pytest.approx(lost, abs=0)
     assert lost > 0  # the heavy tails put some of x below float8's normal range
+    # amaxes of the high-precision operands (float32 or their bfloat16 rounding, as
+    # autocast hands them to the cast), the output with the scales divided out
+    np.testing.assert_allclose(forward["lhs_amax"], np.max(np.abs(x)), rtol=2**-8)
+    np.testing.assert_allclose(forward["rhs_amax"], np.max(np.abs(w)), rtol=2**-8)
+    np.testing.assert_allclose(forward["out_amax"], np.max(np.abs(x @ w.T)), rtol=0.05)
     for key, figures in values(stats).items():
         if "@" in key:
             assert 0.0 <= figures["lhs_float8_underflow"] < 1.0, key
@@ -206,3 +215,11 @@ def test_float8_figures_accumulate_over_a_loop():
     (figures,) = values(stats).values()
     # iterations scale x by 1, 2, 3; the scale brings the amax back to 448 each time
     assert figures["lhs_float8_underflow"] == 0.5
+
+
+def test_quantize_float8_casts_in_one_call_named_for_precision_stats():
+    from jaxscale.casting._float8 import FLOAT8_CAST
+
+    jaxpr = jax.make_jaxpr(lambda x: jaxscale.quantize_float8(x)[0])(jnp.ones(4))
+    names = [e.params["name"] for e in jaxpr.eqns if e.primitive.name == "jit"]
+    assert names.count(FLOAT8_CAST) == 1
