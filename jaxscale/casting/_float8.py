@@ -91,13 +91,10 @@ def scaled_to_float8(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     """``dtype(clip(float32(x) * scale, -max, max))``: the product rounded once to
     float32, saturated (JAX's cast of an out-of-range float32 to float8_e4m3fn is NaN).
 
-    Traced as one ``jit`` call named :data:`FLOAT8_CAST` (XLA inlines it), so that
+    Traced as one ``jit`` call named ``cast_to_float8`` (XLA inlines it), so that
     :func:`jaxscale.precision_stats` finds each cast with the high-precision values it
     was given."""
     return cast_to_float8(x, scale, np.dtype(dtype))
-
-
-FLOAT8_CAST = "cast_to_float8"  # the name of its jit equations: the function's
 
 
 @functools.partial(jax.jit, static_argnums=2)

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale.casting._float8 import FLOAT8_CAST
 from jaxscale.core._stateful_call import TracedCall
 from jaxscale.diagnosis._evaluator import NOT_IN_A_LOOP, CarryingEvaluator, Phase
 from jaxscale.diagnosis._frames import Location
@@ -34,6 +33,10 @@ FLOAT8_DTYPES = tuple(
     np.dtype(t) for t in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz,
                           jnp.float8_e5m2fnuz, jnp.float8_e4m3b11fnuz)
 )  # fmt: skip
+# The jit call in which quantize_float8 casts (casting/_float8.py's cast_to_float8): its
+# input is the high-precision tensor and its scale. Named here, not imported: diagnosis/
+# builds on core/ alone; a test checks the name against the function.
+FLOAT8_CAST = "cast_to_float8"
 # Operations after a float8 cast that keep its figures with the data (the float8 matmul
 # puts its operands through an optimization barrier; a hand-written one may reshape them).
 _KEEPS_CAST = ("optimization_barrier", "reshape", "transpose", "squeeze", "expand_dims", "copy")

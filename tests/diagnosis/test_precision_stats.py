@@ -218,7 +218,7 @@ def test_float8_figures_accumulate_over_a_loop():
 
 
 def test_quantize_float8_casts_in_one_call_named_for_precision_stats():
-    from jaxscale.casting._float8 import FLOAT8_CAST
+    from jaxscale.diagnosis._stats import FLOAT8_CAST
 
     jaxpr = jax.make_jaxpr(lambda x: jaxscale.quantize_float8(x)[0])(jnp.ones(4))
     names = [e.params["name"] for e in jaxpr.eqns if e.primitive.name == "jit"]
