@@ -98,6 +98,7 @@ class StatsCollector(CarryingEvaluator):
 
     def __init__(self) -> None:
         self._keys: dict[tuple[int, str], str] = {}
+        self.float8_keys: set[str] = set()  # the keys of matmuls of float8 operands
 
     def key(self, eqn: Any, phase: Phase, here: Location, dtypes: str) -> str:
         """A stable, readable key: line, primitive, phase and dtypes, numbered when
@@ -176,6 +177,8 @@ class StatsCollector(CarryingEvaluator):
             else np.dtype(out.dtype).name
         )
         key = self.key(eqn, phase, here, dtypes)
+        if float8:
+            self.float8_keys.add(key)
         carry = dict(carry)
         carry[key] = _merge(carry.get(key, _empty()), figures)
         return carry
@@ -234,14 +237,15 @@ def precision_stats(fn: F) -> Callable[..., tuple[Any, dict[str, dict[str, jax.A
         collector = StatsCollector()
         closed = call.closed
         outs, carry = collector.eval(closed.jaxpr, closed.consts, call.inputs, {}, NOT_IN_A_LOOP)
-        stats = {key: _report(key, acc) for key, acc in carry.items()}
+        stats = {key: _report(acc, key in collector.float8_keys) for key, acc in carry.items()}
         return call.finish(outs), stats
 
     return measured
 
 
-def _report(key: str, acc: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """The figures of one matmul from its accumulators (float8 ones for a float8 key)."""
+def _report(acc: dict[str, jax.Array], float8: bool) -> dict[str, jax.Array]:
+    """The figures of one matmul from its accumulators (and the float8 ones for a matmul
+    of float8 operands)."""
     report = {
         "lhs_amax": acc["lhs_amax"],
         "rhs_amax": acc["rhs_amax"],
@@ -249,7 +253,7 @@ def _report(key: str, acc: dict[str, jax.Array]) -> dict[str, jax.Array]:
         "underflow": acc["small"] / acc["elements"],
         "overflow": acc["overflow"] / acc["elements"],
     }
-    if " @ " in key.rsplit(" (", 1)[-1]:  # a float8 matmul's key names both operands
+    if float8:
         for side in ("lhs", "rhs"):
             report[f"{side}_float8_underflow"] = _fraction(
                 acc[f"{side}_cast_lost"], acc[f"{side}_cast_elements"]

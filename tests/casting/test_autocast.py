@@ -317,8 +317,8 @@ def test_the_rewrite_adds_nothing_beyond_the_casts_a_hand_cast_version_has():
         return jnp.sum((h @ w16).astype(F32))
 
     def ops(fn):
-        with machine.on_cpu() as cpu:  # the CPU's program: a GPU's dots are library calls
-            hlo = jax.jit(fn).lower(*jax.device_put((W, X), cpu)).compile().as_text()
+        # the CPU's program: a GPU's dots are library calls
+        hlo = machine.compiled_on_cpu(jax.jit(fn), W, X).as_text()
         return collections.Counter(re.findall(r"= \w+\[[^\]]*\]\{?[^ ]* (\w+)\(", hlo))
 
     assert ops(by_hand)["dot"] == 2

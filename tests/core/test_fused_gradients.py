@@ -89,8 +89,7 @@ STEPS = {"grad_scaler": transform_step, "optax triple": triple_step, "nnx.Optimi
 @pytest.mark.parametrize("name", list(STEPS))
 def test_the_gradients_are_never_written_out(name):
     step, args = STEPS[name]()
-    with machine.on_cpu() as cpu:  # what XLA's CPU backend fuses and copies
-        compiled = step.lower(*jax.device_put(args, cpu)).compile()
+    compiled = machine.compiled_on_cpu(step, *args)  # what XLA's CPU backend fuses and copies
     # the folded check's flags (a byte per 8 elements) and scalars, nothing more
     assert compiled.memory_analysis().temp_size_in_bytes < GRADIENT_BYTES / 8
     copies = re.findall(r"= f32\[(\d+)\]\{0\} copy\(", compiled.as_text())

@@ -83,8 +83,7 @@ def test_eager_calls_branch_in_python_and_never_trace():
 
 def test_cpu_compiles_to_selects_without_loop_or_conditional():
     step = jax.jit(lambda f, c: run_unless(f, update, c))
-    with machine.on_cpu() as cpu:
-        hlo = step.lower(*jax.device_put((jnp.asarray(True), CARRY), cpu)).compile().as_text()
+    hlo = machine.compiled_on_cpu(step, jnp.asarray(True), CARRY).as_text()
     assert " while(" not in hlo
     assert " conditional(" not in hlo
     assert " select(" in hlo
@@ -131,8 +130,7 @@ def test_buffer_copies_reads_hlo_as_xla_prints_it():
     assert buffer_copies(hlo, "f32[4096]") == ["copy.3 = f32[4096]{0} copy(p.1)"]
     # an update in place of a donated buffer that is read again afterwards: XLA copies it
     overwritten_then_read = jax.jit(lambda x: (x.at[0].set(5.0), jnp.flip(x)), donate_argnums=0)
-    with machine.on_cpu() as cpu:
-        compiled = overwritten_then_read.lower(jax.device_put(jnp.ones(4096), cpu)).compile()
+    compiled = machine.compiled_on_cpu(overwritten_then_read, jnp.ones(4096))
     assert buffer_copies(compiled.as_text(), "f32[4096]") != []
 
 
@@ -140,8 +138,7 @@ def test_the_select_lets_xla_update_every_buffer_in_place():
     # The update of each parameter reads the moments the select wrote, so XLA
     # neither copies a donated buffer nor materialises the gradient p - d.
     step, params, opt_state = adam_step(skip_by_select)
-    with machine.on_cpu() as cpu:  # what XLA's CPU backend copies and keeps
-        compiled = step.lower(*jax.device_put((params, opt_state, params), cpu)).compile()
+    compiled = machine.compiled_on_cpu(step, params, opt_state, params)  # the CPU's copies
     assert buffer_copies(compiled.as_text(), "f32[4096]") == []
     gradients = 4 * 4096 * 4  # bytes of the four gradients
     assert compiled.memory_analysis().temp_size_in_bytes < gradients / 2
@@ -191,9 +188,7 @@ def compiled_size(n_leaves):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    with machine.on_cpu() as cpu:
-        args = jax.device_put((params, tx.init(params), params), cpu)
-        compiled = jax.jit(step).lower(*args).compile()
+    compiled = machine.compiled_on_cpu(jax.jit(step), params, tx.init(params), params)
     return len(compiled.as_text().splitlines())
 
 

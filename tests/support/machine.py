@@ -8,7 +8,7 @@ device, and a test asks here for what it needs:
   test is skipped and says how many it needed; on the CPU too few devices is a broken
   set-up (the simulated devices were not configured) and fails, so a CPU run never
   skips one of these tests.
-* :func:`on_cpu` for a test of the program XLA's CPU backend compiles (its fusions,
+* :func:`compiled_on_cpu` for a test of the program XLA's CPU backend compiles (its fusions,
   copies, reductions): it runs on the CPU device whatever the default platform is,
   and is skipped, saying so, only where the CPU backend is not loaded
   (``JAX_PLATFORMS=cuda``; ``JAX_PLATFORMS=cuda,cpu`` runs it).
@@ -72,6 +72,13 @@ def cpu_device() -> Any:
             f"asserts what XLA's CPU backend compiles, and the CPU backend is not loaded "
             f"(default platform {PLATFORM}); JAX_PLATFORMS={PLATFORM},cpu runs it"
         )
+
+
+def compiled_on_cpu(jitted: Any, *args: Any) -> Any:
+    """``jitted`` lowered and compiled for the CPU device (see :func:`cpu_device`), its
+    arguments placed there: the program XLA's CPU backend makes of it."""
+    with on_cpu() as cpu:
+        return jitted.lower(*jax.device_put(args, cpu)).compile()
 
 
 @contextlib.contextmanager
