@@ -86,7 +86,9 @@ def _run_selecting(
     renamed: dict[Any, Any] = {}
     equations = inlined_equations(jaxpr, renamed)
     outvars = [substituted(var, renamed) for var in jaxpr.outvars]
-    equations, results = _with_selects(which, equations, outvars, old_atoms)
+    read = {var for eqn in equations for var in eqn.invars if is_variable(var)}
+    read_back = [atom in read for atom in old_atoms]
+    equations, results = _with_selects(which, equations, outvars, old_atoms, read_back)
     # The update's constants (values it closed over, traced ones among them) become inputs.
     invars = [*jaxpr.constvars, which, *jaxpr.invars, *extra_vars]
     program = call_jaxpr(closed, invars, results, equations)
@@ -101,14 +103,15 @@ def _values_to_select_back(
     the inputs the program needs for them beyond its own.
 
     An old value that is one of ``args`` is that input's variable; any other (the
-    ``-0.0`` of a skipped update) becomes an input of its own.
+    ``-0.0`` of a skipped update, one array for all updates of a shape) becomes an
+    input of its own, once.
     """
     by_identity = {id(arg): var for arg, var in zip(args, invars, strict=True)}
     atoms, new_vars, new_inputs = [], [], []
     for old in olds:
         var = by_identity.get(id(old))
         if var is None:
-            var = fresh_variable(jax.typeof(old))
+            var = by_identity[id(old)] = fresh_variable(jax.typeof(old))
             new_vars.append(var)
             new_inputs.append(old)
         atoms.append(var)
@@ -116,22 +119,33 @@ def _values_to_select_back(
 
 
 def _with_selects(
-    which: Any, equations: list[Any], outvars: list[Any], olds: list[Any]
+    which: Any,
+    equations: list[Any],
+    outvars: list[Any],
+    olds: list[Any],
+    read_back: list[bool],
 ) -> tuple[list[Any], list[Any]]:
     """``equations`` with a select after each equation computing an output, and the
     outputs, each selected against its ``olds`` atom when ``which`` is true.
 
-    Later equations read the selected value, so that what the update computes from
-    a value it returns (Adam's step from its new moments) reads what is returned.
-    An output passed through from an input, a literal, or returned in two places is
-    selected after the last equation.
+    Where ``read_back`` is true (an output replacing a value the update also reads,
+    as Adam's new moments replace the moments it reads), later equations read the
+    selected value, so that what the update computes from a value it returns
+    (Adam's step from its new moments) reads what is returned: XLA then updates
+    the old value's buffer in place instead of copying it first. An output whose
+    old value the update never reads (the ``-0.0`` of a skipped update) is read as
+    computed: whatever reads it is itself an output, selected against its own old
+    value, so a second select there would only cost XLA one more select to
+    compile in every fusion that reads it (the parameters' update inside
+    ``nnx.Optimizer``). An output passed through from an input, a literal,
+    returned in two places or not read back is selected after the last equation.
     """
     counts = collections.Counter(var for var in outvars if is_variable(var))
     computed = {var for eqn in equations for var in eqn.outvars}
     in_place = {
         var: old
-        for var, old in zip(outvars, olds, strict=True)
-        if is_variable(var) and counts[var] == 1 and var in computed
+        for var, old, back in zip(outvars, olds, read_back, strict=True)
+        if back and is_variable(var) and counts[var] == 1 and var in computed
     }
     selecting: list[Any] = []
     selected: dict[Any, Any] = {}
@@ -205,7 +219,7 @@ def update_unless(
 
     closed, out_shape = jax.make_jaxpr(flat_update, return_shape=True)(*before)
     updates_tree, count = trees[-1]
-    skipped = [_skipped_value(s.shape, s.dtype) for s in out_shape[:count]]
+    skipped = _skipped_values_shared(out_shape[:count])
     outs = _run_selecting(found_inf, closed, before, [*skipped, *before])
     return jax.tree.unflatten(updates_tree, outs[:count]), jax.tree.unflatten(
         state_tree, outs[count:]
@@ -218,3 +232,18 @@ def skipped_updates_like(updates: Any) -> Any:
     ``updates`` may hold ``jax.ShapeDtypeStruct`` leaves (from ``jax.eval_shape``).
     """
     return jax.tree.map(lambda u: _skipped_value(u.shape, u.dtype), updates)
+
+
+def _skipped_values_shared(shapes: list[Any]) -> list[jax.Array]:
+    """:func:`skipped_update` values for ``shapes``, one array per shape and dtype.
+
+    Only for values traced into a program: the skip's program then takes one
+    ``-0.0`` input per shape instead of one per update. Arrays handed to a user
+    must be distinct (donating one buffer twice is an error).
+    """
+    made: dict[tuple[Any, Any], jax.Array] = {}
+    for shape in shapes:
+        key = (tuple(shape.shape), jnp.dtype(shape.dtype))
+        if key not in made:
+            made[key] = _skipped_value(*key)
+    return [made[(tuple(s.shape), jnp.dtype(s.dtype))] for s in shapes]

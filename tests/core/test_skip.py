@@ -157,6 +157,45 @@ def test_the_select_reads_what_it_selected_and_skips_bitwise():
     assert bits(skipped) == bits(got)
 
 
+def applied_and_returned_step(skip):
+    """A step shaped like ``nnx.Optimizer.update`` under the facade: the carry holds the
+    parameters, Adam's state and the updates (``-0.0`` to start with), and the update
+    both applies its updates to the parameters and returns them."""
+    tx = third_party.optimizer(optax.adam(1e-3))
+
+    def step(params, opt_state, data):
+        grads = jax.tree.map(lambda p, d: p - d, params, data)
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+
+        def update(carry):
+            params, opt_state, _ = carry
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, updates
+
+        carry = (params, opt_state, skipped_updates_like(params))
+        return skip(jnp.logical_not(finite), update, carry)
+
+    params = {f"p{i}": jnp.linspace(-1.0, 1.0, 4096) * (i + 1.0) for i in range(4)}
+    return jax.jit(step), params, tx.init(params)
+
+
+def test_a_returned_update_is_selected_once_not_again_where_the_parameters_read_it():
+    # Each parameter's new value is selected against the old one, so the update it
+    # adds needs no select of its own there: three selects per leaf (the two moments,
+    # the parameter) in the fusions XLA compiles, and one more for the returned update.
+    step, params, opt_state = applied_and_returned_step(skip_by_select)
+    hlo = machine.compiled_on_cpu(step, params, opt_state, params).as_text()
+    assert len(re.findall(r"= f32\[4096\]\{0\} select\(", hlo)) == 4 * 4
+    unskipped, _, _ = applied_and_returned_step(lambda found_inf, fn, carry: fn(carry))
+    data = jax.tree.map(lambda p: p * 0.5, params)
+    applied = step(params, opt_state, data)
+    assert bits(applied) == bits(unskipped(params, opt_state, data))  # bit for bit
+    poisoned = {**data, "p1": data["p1"].at[9].set(jnp.inf)}
+    skipped = step(applied[0], applied[1], poisoned)
+    assert bits(skipped[:2]) == bits(applied[:2])  # bitwise, though the update was NaN
+    assert bits(skipped[2]) == bits(skipped_updates_like(params))
+
+
 @pytest.mark.parametrize("strategy", [run_unless, skip_by_select])
 def test_vmap_decides_per_element(strategy):
     batch = jax.tree.map(lambda x: jnp.stack([x, x, x]), CARRY)
