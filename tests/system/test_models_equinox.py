@@ -172,3 +172,86 @@ def test_a_checkpointed_while_loop_differentiates_under_autocast():
     grad = jax.grad(jaxscale.autocast(solve))(w, x)
     assert grad.dtype == F32
     np.testing.assert_allclose(grad, jax.grad(solve)(w, x), rtol=2e-2, atol=2e-2)
+
+
+class ConvNet(eqx.Module):
+    """A per-example CNN with ``eqx.nn.BatchNorm``: its running statistics live in an
+    ``eqx.nn.State`` threaded through the call, synchronised over the vmapped batch
+    axis by name, as Equinox's stateful-layer example writes it."""
+
+    conv: eqx.nn.Conv2d
+    norm: eqx.nn.BatchNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        conv_key, head_key = jax.random.split(key)
+        self.conv = eqx.nn.Conv2d(3, 8, 3, padding=1, key=conv_key)
+        self.norm = eqx.nn.BatchNorm(8, axis_name="batch", mode="batch")
+        self.head = eqx.nn.Linear(8, 4, key=head_key)
+
+    def __call__(self, image, state):
+        h, state = self.norm(self.conv(image), state)
+        return self.head(jax.nn.relu(h).mean(axis=(1, 2))), state
+
+
+def image_loss(model, state, images, labels):
+    per_example = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+    logits, state = per_example(images, state)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), state
+
+
+IMAGES = jnp.asarray(np.random.default_rng(5).normal(size=(16, 3, 8, 8)), F32)
+IMAGE_LABELS = jnp.asarray(np.arange(16) % 4, jnp.int32)
+
+
+def train_conv_net(precision, steps=25):
+    model, state = eqx.nn.make_with_state(ConvNet)(jax.random.key(0))
+    optimizer = optax.adam(1e-2)
+    loss_fn = image_loss
+    if precision is not None:
+        optimizer = jaxscale.grad_scaler(optimizer, init_scale=2.0**12, enabled=precision == F16)
+        loss_fn = jaxscale.autocast(image_loss, dtype=precision)
+
+    @eqx.filter_jit
+    def step(carry, batch):
+        model, state, opt_state = carry
+
+        def scaled_loss(model):
+            loss, new_state = loss_fn(model, state, *batch)
+            scaled = loss if precision is None else jaxscale.scale(loss, opt_state)
+            return scaled, (loss, new_state)
+
+        grads, (loss, state) = eqx.filter_grad(scaled_loss, has_aux=True)(model)
+        updates, opt_state = optimizer.update(grads, opt_state, model)
+        return (eqx.apply_updates(model, updates), state, opt_state), loss
+
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    (model, state, opt_state), losses = run_steps(
+        step, (model, state, opt_state), [(IMAGES, IMAGE_LABELS)] * steps
+    )
+    return model, state, opt_state, losses
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_batchnorm_state_threads_through_autocast_and_the_scaler(precision):
+    *_, reference = train_conv_net(None)
+    model, state, opt_state, losses = train_conv_net(precision)
+    assert_trains_like(reference, losses, rtol=0.05, label=np.dtype(precision).name)
+    if precision == F16:
+        assert int(jaxscale.skipped_steps(opt_state)) == 0
+    # the running statistics come back in the model's float32, and moved
+    _, fresh = eqx.nn.make_with_state(ConvNet)(jax.random.key(0))
+    statistics = [
+        leaf for leaf in jax.tree.leaves(state) if jnp.issubdtype(leaf.dtype, jnp.floating)
+    ]
+    assert [leaf.dtype for leaf in statistics] == [F32, F32]
+    initial = [leaf for leaf in jax.tree.leaves(fresh) if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    assert not np.allclose(np.asarray(statistics[0]), np.asarray(initial[0]))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    autocast_loss = jaxscale.autocast(image_loss, dtype=precision)
+
+    def loss_of_params(params):
+        return autocast_loss(eqx.combine(params, static), fresh, IMAGES, IMAGE_LABELS)[0]
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss_of_params))(params)
+    assert_all_matmuls_in(precision, jaxpr)

@@ -2,8 +2,10 @@
 
 Parameters are dicts, the optimizer is Optax's, and the features are the ones
 plain-JAX training loops use: per-example gradients (differentially private SGD),
-gradient accumulation with ``optax.MultiSteps``, ``jax.nn.dot_product_attention``
-with padding, and data parallelism with ``shard_map`` and ``pmap``.
+gradient accumulation with ``optax.MultiSteps``, a top-k mixture of experts,
+frozen leaves and a learning-rate schedule inside the scaler,
+``jax.nn.dot_product_attention`` with padding, and data parallelism with
+``shard_map`` and ``pmap``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from support.model_training import (
     PRECISIONS,
     assert_all_matmuls_in,
     assert_trains_like,
+    equations,
     run_steps,
 )
 
@@ -161,6 +164,122 @@ def test_multisteps_accumulates_under_one_scale(precision):
     assert_trains_like(reference, losses, rtol=0.05, label=np.dtype(precision).name)
     assert int(jaxscale.skipped_steps(opt_state)) == 0
     assert float(jaxscale.get_scale(opt_state)) == 2.0**10
+
+
+# -- a mixture of experts: top-k routing, gathered weights, scatter-add combine --------------
+
+EXPERTS, TOP_K, MODEL_WIDTH, EXPERT_WIDTH, TOKENS = 4, 2, 8, 16, 32
+
+
+def init_moe(seed):
+    rng = np.random.default_rng(seed)
+    return {
+        "router": jnp.asarray(rng.normal(size=(MODEL_WIDTH, EXPERTS)) * 0.1, F32),
+        "up": jnp.asarray(rng.normal(size=(EXPERTS, MODEL_WIDTH, EXPERT_WIDTH)) / 3, F32),
+        "down": jnp.asarray(rng.normal(size=(EXPERTS, EXPERT_WIDTH, MODEL_WIDTH)) / 4, F32),
+    }
+
+
+def moe_layer(params, x):
+    """Each token to its ``TOP_K`` experts: their weights gathered per routed token,
+    the outputs weighted by the renormalised gate and summed back per token with
+    ``jax.ops.segment_sum`` (a scatter-add)."""
+    gates, experts = jax.lax.top_k(jax.nn.softmax(x @ params["router"], axis=-1), TOP_K)
+    gates = gates / gates.sum(axis=-1, keepdims=True)
+    token = jnp.repeat(jnp.arange(x.shape[0]), TOP_K)
+    expert = experts.reshape(-1)
+    hidden = jax.nn.gelu(jnp.einsum("nd,ndh->nh", x[token], params["up"][expert]))
+    routed = jnp.einsum("nh,nhd->nd", hidden, params["down"][expert]) * gates.reshape(-1, 1)
+    return x + jax.ops.segment_sum(routed, token, num_segments=x.shape[0])
+
+
+def moe_loss(params, x, target):
+    return jnp.mean((moe_layer(params, x) - target) ** 2)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_top_k_mixture_of_experts_routes_and_trains_like_float32(precision):
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(TOKENS, MODEL_WIDTH)), F32)
+    target = jnp.roll(x, 1, axis=-1)
+    loss_fn = jaxscale.autocast(moe_loss, dtype=precision)
+
+    def make_step(tx, loss_fn, scaled):
+        def step(carry, _):
+            params, opt_state = carry
+
+            def objective(params):
+                loss = loss_fn(params, x, target)
+                return (jaxscale.scale(loss, opt_state) if scaled else loss), loss
+
+            grads, loss = jax.grad(objective, has_aux=True)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), loss
+
+        return jax.jit(step)
+
+    params, plain_tx = init_moe(0), optax.adam(3e-3)
+    tx = jaxscale.grad_scaler(optax.adam(3e-3), init_scale=2.0**10)
+    steps = range(40)
+    _, reference = run_steps(
+        make_step(plain_tx, moe_loss, False), (params, plain_tx.init(params)), steps
+    )
+    (_, opt_state), losses = run_steps(
+        make_step(tx, loss_fn, True), (params, tx.init(params)), steps
+    )
+    assert_trains_like(reference, losses, rtol=0.1, label=np.dtype(precision).name)
+    assert int(jaxscale.skipped_steps(opt_state)) == 0
+    jaxpr = jax.make_jaxpr(jax.grad(loss_fn))(params, x, target)
+    assert_all_matmuls_in(precision, jaxpr)
+    # the combine and the gathers' gradients are scatter-adds: run as traced, in float32
+    scatters = [e for e in equations(jaxpr) if e.primitive.name == "scatter-add"]
+    assert scatters
+    assert {str(v.aval.dtype) for e in scatters for v in e.outvars} == {"float32"}
+
+
+# -- frozen parameters and a scheduled learning rate inside the scaler --------------------------
+
+
+def test_frozen_leaves_and_a_schedule_keep_still_through_a_skipped_step():
+    labels = [{"w": "frozen", "b": "frozen"}, {"w": "trained", "b": "trained"}]
+    schedule = optax.linear_schedule(1e-2, 0.0, transition_steps=100)
+    inner = optax.multi_transform(
+        {
+            "trained": optax.inject_hyperparams(optax.adamw)(learning_rate=schedule),
+            "frozen": optax.set_to_zero(),
+        },
+        labels,
+    )
+    tx = jaxscale.grad_scaler(inner, init_scale=2.0**10)
+    params = init_mlp(2, sizes=(8, 16, 1))
+    loss_fn = jaxscale.autocast(mse)
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        grads = jax.grad(lambda p: jaxscale.scale(loss_fn(p, x, y), opt_state))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state = tx.init(params)
+    for x, y in DATA[:5]:
+        params, opt_state = step(params, opt_state, x, y)
+    assert (
+        np.asarray(params[0]["w"]).tobytes()
+        == np.asarray(init_mlp(2, sizes=(8, 16, 1))[0]["w"]).tobytes()
+    )
+    assert int(jaxscale.skipped_steps(opt_state)) == 0
+    inner_before = [np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(opt_state.inner_state)]
+    params_before = [np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(params)]
+    x, y = DATA[5]
+    params, opt_state = step(params, opt_state, x.at[0, 0].set(jnp.inf), y)
+    assert int(jaxscale.skipped_steps(opt_state)) == 1
+    assert [np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(params)] == params_before
+    # the schedule's count and the injected learning rate did not move either
+    assert [
+        np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(opt_state.inner_state)
+    ] == inner_before
+    trained = opt_state.inner_state.inner_states["trained"].inner_state
+    assert int(trained.count) == 5
+    np.testing.assert_allclose(float(trained.hyperparams["learning_rate"]), schedule(4), rtol=1e-6)
 
 
 # -- attention with padding: every fill constant a user writes ---------------------------------

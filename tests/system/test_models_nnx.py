@@ -337,3 +337,93 @@ def test_helpers_read_the_state_an_nnx_split_loop_holds():
     assert int(jaxscale.skipped_steps(opt_state)) == 0
     assert float(jaxscale.metrics(opt_state)["scale"]) == 65536.0
     assert float(jaxscale.scale(jnp.float32(0.5), opt_state)) == 32768.0
+
+
+class LoRALM(nnx.Module):
+    """A pretrained-looking language model fine-tuned by low-rank adapters: ``nnx.LoRA``
+    around a frozen ``nnx.Linear``, and an output layer tied to the embedding
+    (``Embed.attend``), as NNX's LoRA guide and weight-tied models write them."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+        self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+        base = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.adapted = nnx.LoRA(WIDTH, 4, WIDTH, base_module=base, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        h = self.embed(tokens)
+        h = h + jax.nn.gelu(self.adapted(self.norm(h)))
+        return self.embed.attend(h)
+
+
+def next_token_loss(model: LoRALM, tokens: jax.Array) -> jax.Array:
+    logits = model(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+FROZEN = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+
+
+def lora_training(precision):
+    """``(model, optimizer, scaler, step)``: only the ``nnx.LoRAParam``s are trained."""
+    model = LoRALM(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.LoRAParam)
+    scaler = jaxscale.GradScaler(enabled=precision == F16, init_scale=2.0**12)
+    loss_fn = (
+        next_token_loss
+        if precision is None
+        else jaxscale.autocast(next_token_loss, dtype=precision)
+    )
+
+    @nnx.jit
+    def step(model, optimizer, scaler, tokens):
+        def scaled_loss(model, tokens):
+            loss = loss_fn(model, tokens)
+            return scaler.scale(loss), loss
+
+        adapters = nnx.DiffState(0, nnx.LoRAParam)
+        grads, loss = nnx.grad(scaled_loss, argnums=adapters, has_aux=True)(model, tokens)
+        scaler.step(optimizer, model, grads)
+        scaler.update()
+        return loss
+
+    return model, optimizer, scaler, step
+
+
+def state_bytes(*trees):
+    return [np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(trees)]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_lora_fine_tuning_trains_the_adapters_only_like_float32(precision):
+    batches = [jnp.asarray(padded_tokens(0, 8, LENGTH + 1, VOCAB))] * 15  # one fine-tuning set
+    curves = {}
+    for name, setting in [("float32", None), ("amp", precision)]:
+        model, optimizer, scaler, step = lora_training(setting)
+        frozen = state_bytes(nnx.state(model, FROZEN))
+        curves[name] = [float(step(model, optimizer, scaler, tokens)) for tokens in batches]
+        assert state_bytes(nnx.state(model, FROZEN)) == frozen  # the base model untouched
+    assert_trains_like(curves["float32"], curves["amp"], rtol=0.05, label=str(precision))
+    if precision == F16:
+        assert int(scaler.skipped_steps()) == 0
+    graphdef, state = nnx.split((model, optimizer, scaler))
+
+    def pure(state, tokens):
+        objects = nnx.merge(graphdef, state)
+        return step(*objects, tokens)
+
+    assert_all_matmuls_in(precision, jax.make_jaxpr(pure)(state, batches[0]))
+
+
+def test_a_lora_step_that_overflows_is_skipped_bitwise_and_backs_off():
+    model, optimizer, scaler, step = lora_training(F16)
+    tokens = jnp.asarray(padded_tokens(0, 4, LENGTH + 1, VOCAB))
+    step(model, optimizer, scaler, tokens)
+    before = state_bytes(nnx.state(model), nnx.state(optimizer))
+    model.adapted.lora_a[...] = model.adapted.lora_a[...] * 1e30  # float16 overflows
+    poisoned = state_bytes(nnx.state(model), nnx.state(optimizer))
+    step(model, optimizer, scaler, tokens)
+    assert state_bytes(nnx.state(model), nnx.state(optimizer)) == poisoned  # nothing moved
+    assert poisoned != before
+    assert int(scaler.skipped_steps()) == 1
+    assert float(scaler.get_scale()) == 2.0**11
