@@ -16,8 +16,9 @@ and how to make a skipped update change nothing:
   ``(params, opt_state)`` after ``tx.update`` and ``optax.apply_updates``, or the
   unchanged pair when skipped. Like PyTorch's ``step``, it applies the update.
 
-Each update runs through :func:`~jaxscale.core.run_unless`: a select that reads
-back what it selected, so the parameters and optimizer state are updated in
+Each update runs through :func:`~jaxscale.core.run_unless` (``nnx.Optimizer``'s
+through :func:`~jaxscale.core.update_unless`, which returns its updates too): a
+select that reads back what it selected, so the parameters and optimizer state are updated in
 place, never copied, and the predicate stays off the host. The gradients are
 prepared (unscaled) inside it, so the unscaling fuses into the optimizer's own
 pass instead of writing the unscaled gradients out first.
@@ -33,9 +34,8 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
-from jaxscale.core import run_unless
-from jaxscale.core._leaves import require_matching
-from jaxscale.core._skip import skipped_updates_like
+from jaxscale.core import run_unless, update_unless
+from jaxscale.core._leaves import require_matching, require_matching_shapes, structure_mismatch
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
@@ -54,9 +54,14 @@ class Adapter:
         """The parameters the gradients must match."""
         raise NotImplementedError
 
-    def check_grads(self, optimizer: Any, args: Args, kwargs: Kwargs) -> None:
-        """``ValueError`` unless the gradients match the parameters in structure and shapes."""
-        require_matching(self.grads(args, kwargs), self.params(optimizer, args, kwargs))
+    def check_grads(self, optimizer: Any, args: Args, kwargs: Kwargs) -> ValueError | None:
+        """``ValueError`` unless the gradients match the parameters' shapes. A mismatch of
+        tree structure is returned instead, for the step to note on the update's error if
+        the update fails: Optax's ``params`` need not have the gradients' structure
+        (``optax.lookahead`` takes its fast and slow parameters together)."""
+        grads, params = self.grads(args, kwargs), self.params(optimizer, args, kwargs)
+        require_matching_shapes(grads, params)
+        return structure_mismatch(grads, params)
 
     def step(self, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
         """Run the optimizer's update unconditionally."""
@@ -87,10 +92,12 @@ class NnxOptimizerAdapter(Adapter):
     def params(self, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
         return nnx.state(args[0], optimizer.wrt)
 
-    def check_grads(self, optimizer: Any, args: Args, kwargs: Kwargs) -> None:
+    def check_grads(self, optimizer: Any, args: Args, kwargs: Kwargs) -> ValueError | None:
+        """``ValueError`` unless the gradients match the parameters ``wrt`` selects."""
         grads = self.grads(args, kwargs)
         params = self.params(optimizer, args, kwargs)
         require_matching(nnx.as_pure(grads), nnx.as_pure(params))
+        return None
 
     def step(self, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
         return optimizer.update(*args, **kwargs)
@@ -100,17 +107,15 @@ class NnxOptimizerAdapter(Adapter):
     ) -> Any:
         model, grads = args[0], args[1]
         graphdef, state = nnx.split((model, optimizer))
-        # The updates leave the skip too, starting as the -0.0 of a skipped step; when
-        # the caller ignores them XLA drops them and never materialises them.
-        updates = skipped_updates_like(nnx.as_pure(nnx.state(grads, optimizer.wrt)))
 
-        def update(carry: tuple[Any, Any]) -> tuple[Any, Any]:
-            state, _ = carry
+        def update(grads: Any, state: Any) -> tuple[Any, Any]:
             model, optimizer = nnx.merge(graphdef, state)
             updates = optimizer.update(model, prepare(grads), **kwargs)
-            return nnx.state((model, optimizer)), updates
+            return updates, nnx.state((model, optimizer))
 
-        state, updates = run_unless(found_inf, update, (state, updates))
+        # A skipped step's updates are -0.0; each update is selected against it where
+        # it is computed, and when the caller ignores the updates XLA drops them.
+        updates, state = update_unless(found_inf, update, grads, state)
         nnx.update((model, optimizer), state)
         return updates
 

@@ -44,6 +44,11 @@ def values(tree):
     return [np.asarray(x).copy() for x in jax.tree.leaves(nnx.as_pure(nnx.state(tree)))]
 
 
+def bits(tree):
+    """A tree's leaves as raw bytes: equality means bitwise equality (-0.0 != 0.0)."""
+    return [np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(tree)]
+
+
 def snapshot(scaler):
     """Everything a failed call must leave unchanged."""
     return (
@@ -356,6 +361,40 @@ def test_nnx_skip_restores_every_adam_moment():
     before = values(optimizer)
     nnx_train_step(model, optimizer, scaler, True)
     assert all(np.array_equal(a, b) for a, b in zip(values(optimizer), before, strict=True))
+
+
+@pytest.mark.parametrize("mode", ["eager", "jax.jit"])
+def test_nnx_step_returns_the_optimizers_updates_or_negative_zeros_when_skipped(mode):
+    scale = 256.0
+
+    def scaled_step(model, optimizer, poison):
+        scaler = GradScaler(init_scale=scale)
+        grads = scaled_grads(scaler, model)
+        grads = jax.tree.map(lambda g: jnp.where(poison, jnp.inf, g), grads)
+        return scaler.step(optimizer, model, grads)
+
+    def plain_step(model, optimizer):
+        # the scale is a power of two: unscaling the scaled gradients is exact
+        return optimizer.update(model, nnx.grad(loss_fn)(model))
+
+    if mode == "jax.jit":
+        scaled_step, plain_step = nnx.jit(scaled_step), nnx.jit(plain_step)
+    expected = plain_step(*new_nnx())
+    model, optimizer = new_nnx()
+    taken = scaled_step(model, optimizer, jnp.asarray(False))
+    assert jax.tree.structure(taken) == jax.tree.structure(expected)
+    for ours, theirs in zip(jax.tree.leaves(taken), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+        assert np.any(np.asarray(ours) != 0)
+    skipped = scaled_step(model, optimizer, jnp.asarray(True))
+    assert jax.tree.structure(skipped) == jax.tree.structure(expected)
+    for update, like in zip(jax.tree.leaves(skipped), jax.tree.leaves(expected), strict=True):
+        assert (update.shape, update.dtype) == (like.shape, like.dtype)
+        assert np.all(np.asarray(update) == 0)
+        assert np.all(np.signbit(update))
+    # distinct buffers, as optimizer.update returns them: each can be donated
+    pointers = [u.unsafe_buffer_pointer() for u in jax.tree.leaves(skipped)]
+    assert len(set(pointers)) == len(pointers)
 
 
 @pytest.mark.parametrize("mode", ["eager", "jax.jit"])
