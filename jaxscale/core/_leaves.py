@@ -9,7 +9,8 @@ rejects them too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -75,6 +76,15 @@ def require_matching(grads: Any, params: Any) -> None:
     function, an integer buffer) need no gradient. A gradient's shape is its
     parameter's, or that shape after leading batch axes (per-example gradients).
     """
+    mismatch = structure_mismatch(grads, params)
+    if mismatch is not None:
+        raise mismatch
+    require_matching_shapes(grads, params)
+
+
+def structure_mismatch(grads: Any, params: Any) -> ValueError | None:
+    """The ``ValueError`` naming the leaves where ``grads`` and ``params`` differ in tree
+    structure (as :func:`require_matching` sees them), or ``None`` where they agree."""
     grad_leaves = dict(_leaves_with_paths(grads))
     param_leaves = dict(_leaves_with_paths(params))
     no_update = {path for path, grad in grad_leaves.items() if grad is None}
@@ -90,19 +100,27 @@ def require_matching(grads: Any, params: Any) -> None:
         for path, grad in grad_leaves.items()
         if path not in param_leaves and grad is not None
     ]
-    if missing or extra:
-        problems = []
-        if missing:
-            problems.append(f"no gradient for parameter {', '.join(missing)}")
-        if extra:
-            problems.append(f"a gradient at {', '.join(extra)} with no parameter")
-        raise ValueError(
-            "the gradients do not match the parameters' tree structure: " + "; ".join(problems)
-        )
-    for path, grad in grad_leaves.items():
-        if grad is None or param_leaves[path] is None:
+    if not (missing or extra):
+        return None
+    problems = []
+    if missing:
+        problems.append(f"no gradient for parameter {', '.join(missing)}")
+    if extra:
+        problems.append(f"a gradient at {', '.join(extra)} with no parameter")
+    return ValueError(
+        "the gradients do not match the parameters' tree structure: " + "; ".join(problems)
+    )
+
+
+def require_matching_shapes(grads: Any, params: Any) -> None:
+    """Raise ``ValueError`` for a gradient whose shape is not its parameter's (at the same
+    path; leading batch axes allowed), naming the path and both shapes."""
+    param_leaves = dict(_leaves_with_paths(params))
+    for path, grad in _leaves_with_paths(grads):
+        param = param_leaves.get(path)
+        if grad is None or param is None:
             continue
-        shape, expected = np.shape(grad), np.shape(param_leaves[path])
+        shape, expected = np.shape(grad), np.shape(param)
         # per-example gradients (as optax.contrib.differentially_private_aggregate
         # takes them) carry leading batch axes before the parameter's shape
         if shape[len(shape) - len(expected) :] != expected or len(shape) < len(expected):
@@ -110,6 +128,24 @@ def require_matching(grads: Any, params: Any) -> None:
                 f"the gradient at {jax.tree_util.keystr(path)} has shape {shape}, "
                 f"but its parameter has shape {expected}"
             )
+
+
+@contextlib.contextmanager
+def noted_on_failure(mismatch: ValueError | None) -> Iterator[None]:
+    """Run the block; if it raises and ``mismatch`` is not ``None``, add ``mismatch``'s
+    message to the error as a note (PEP 678) and let it propagate.
+
+    An Optax transformation's ``params`` need not have its updates' structure
+    (``optax.lookahead`` takes its fast and slow parameters together), so a
+    structure mismatch is not an error in itself; where the optimizer's update
+    fails, the mismatch is the likely reason, and the note names its leaves.
+    """
+    try:
+        yield
+    except Exception as error:
+        if mismatch is not None:
+            error.add_note(str(mismatch))
+        raise
 
 
 def _leaves_with_paths(tree: Any) -> list[tuple[Any, Any]]:

@@ -37,7 +37,7 @@ from jaxscale.core._diagnostics import (
     warn_about_scaled_loss,
     warn_if_unhealthy,
 )
-from jaxscale.core._leaves import floating_leaves
+from jaxscale.core._leaves import floating_leaves, noted_on_failure
 from jaxscale.core._scaling import unscale
 from jaxscale.facade._iteration import Iteration, OptimizerRecord, Stage
 from jaxscale.facade._optimizers import adapter_for
@@ -350,7 +350,7 @@ class GradScaler(nnx.Pytree):
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale_called("step")
         grads = adapter.grads(args, kwargs)
-        adapter.check_grads(optimizer, args, kwargs)
+        mismatch = adapter.check_grads(optimizer, args, kwargs)
         record = self._iteration.record(optimizer)
         if record.stage is Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
@@ -361,7 +361,8 @@ class GradScaler(nnx.Pytree):
             prepare = functools.partial(unscale, inv_scale=inverse_scale(self._scaler_state.scale))
         if found_inf is None:
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        result = adapter.step_unless(found_inf, optimizer, args, kwargs, prepare)
+        with noted_on_failure(mismatch):
+            result = adapter.step_unless(found_inf, optimizer, args, kwargs, prepare)
         self._iteration.store(optimizer, OptimizerRecord(Stage.STEPPED, found_inf))
         return result
 

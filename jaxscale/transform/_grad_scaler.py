@@ -19,7 +19,7 @@ from jaxscale.core import (
 )
 from jaxscale.core import _validation as validation
 from jaxscale.core._diagnostics import NonfiniteRecord, empty_nonfinite_record, keep_overflow_record
-from jaxscale.core._leaves import require_matching
+from jaxscale.core._leaves import noted_on_failure, require_matching_shapes, structure_mismatch
 from jaxscale.core._scaling import unscale
 
 
@@ -162,8 +162,12 @@ def grad_scaler(
                 "update() was given nonfinite_report=, but this grad_scaler keeps no overflow "
                 "origin; build it with grad_scaler(..., record_overflow_origin=True)"
             )
+        # Shapes are checked now; a structure mismatch is named only if inner fails (the
+        # params of optax.lookahead hold its fast and slow parameters).
+        mismatch = None
         if params is not None:
-            require_matching(updates, params)
+            require_matching_shapes(updates, params)
+            mismatch = structure_mismatch(updates, params)
         found_inf = any_over_axis(jnp.logical_not(all_finite(updates)), axis_name)
         inv_scale = inverse_scale(state.scaler.scale)
 
@@ -172,9 +176,10 @@ def grad_scaler(
             return inner.update(unscale(grads, inv_scale), inner_state, params, **extra_args)
 
         # A skipped step emits -0.0 updates and keeps the inner state exactly as it was.
-        new_updates, new_inner_state = update_unless(
-            found_inf, inner_update, updates, state.inner_state
-        )
+        with noted_on_failure(mismatch):
+            new_updates, new_inner_state = update_unless(
+                found_inf, inner_update, updates, state.inner_state
+            )
         origin = state.overflow_origin
         if origin is not None and report is not None:
             origin = keep_overflow_record(origin, found_inf, report.record)

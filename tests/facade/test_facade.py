@@ -445,6 +445,32 @@ def test_optax_triple_applies_the_update_like_pytorch_step(mode):
     assert scaler.get_scale() == 2.0
 
 
+def test_optax_triple_steps_lookahead_whose_params_hold_fast_and_slow_parameters():
+    tx = third_party.optimizer(optax.lookahead(optax.sgd(0.5), sync_period=2, slow_step_size=0.5))
+    params = optax.LookaheadParams.init_synced({"w": jnp.array([1.0, -0.0])})
+    scaler = GradScaler(init_scale=4.0)
+
+    @jax.jit
+    def train_step(params, opt_state, scaler, poison):
+        grads = jax.grad(lambda p: scaler.scale(jnp.sum(p["w"] ** 2)))(params.fast)
+        grads = jax.tree.map(lambda g: jnp.where(poison, jnp.inf, g), grads)
+        params, opt_state = scaler.step(tx, grads, opt_state, params)
+        scaler.update()
+        return params, opt_state, scaler
+
+    opt_state = tx.init(params)
+    params, opt_state, scaler = train_step(params, opt_state, scaler, jnp.asarray(False))
+    np.testing.assert_array_equal(params.fast["w"], [0.0, 0.0])  # 1 - 0.5 * 2 * 1
+    params, opt_state, scaler = train_step(params, opt_state, scaler, jnp.asarray(False))
+    # the second fast step syncs: slow moves half-way to fast, and fast restarts there
+    np.testing.assert_array_equal(params.slow["w"], [0.5, 0.0])
+    np.testing.assert_array_equal(params.fast["w"], [0.5, 0.0])
+    skipped, skipped_state, scaler = train_step(params, opt_state, scaler, jnp.asarray(True))
+    assert bits(skipped) == bits(params)
+    assert bits(skipped_state) == bits(opt_state)
+    assert scaler.get_scale() == 2.0
+
+
 def test_unscale_then_step_uses_the_recorded_decision():
     # found_inf is fixed at unscale_ time: grads made inf afterwards are stepped with.
     tx = optax.sgd(1.0)

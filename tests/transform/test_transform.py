@@ -423,3 +423,107 @@ def test_params_with_non_array_leaves_and_none_gradients_are_accepted_as_in_opta
     tx.update(per_example, tx.init({"w": jnp.zeros((5, 2))}), {"w": params["w"]})
     with pytest.raises(ValueError, match=r"the gradient at \['w'\] has shape \(5, 3\)"):
         tx.update({"w": jnp.ones((5, 3))}, tx.init({"w": jnp.zeros((5, 3))}), {"w": params["w"]})
+
+
+def sophia_objective(params):
+    return loss_fn(params)
+
+
+# Each optimizer as optax.contrib has it; muon and sophia came after the oldest optax
+# jaxscale supports, which has no such optimizer to test.
+BEYOND_ELEMENTWISE = {
+    "muon": ("muon", lambda contrib: contrib.muon(1e-2), {}),
+    "schedule_free_adamw": (
+        "schedule_free_adamw",
+        lambda contrib: contrib.schedule_free_adamw(1e-2),
+        {},
+    ),
+    "prodigy": ("prodigy", lambda contrib: contrib.prodigy(1.0), {}),
+    "sophia": ("sophia", lambda contrib: contrib.sophia(1e-2), {"obj_fn": sophia_objective}),
+    "adam+reduce_on_plateau": (
+        "reduce_on_plateau",
+        lambda contrib: optax.chain(optax.adam(1e-2), contrib.reduce_on_plateau()),
+        {"value": jnp.float32(0.5)},
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("make", "extra_args"),
+    [
+        pytest.param(make, extra_args, id=name)
+        for name, (needs, make, extra_args) in BEYOND_ELEMENTWISE.items()
+        if hasattr(optax.contrib, needs)
+    ],
+)
+def test_optimizers_whose_update_computes_more_than_elementwise(make, extra_args):
+    # Newton-Schulz matmuls (muon), an averaged iterate (schedule-free), global dot
+    # products (prodigy), a Hessian estimate from a function of the parameters
+    # (sophia), a state driven by an extra argument (reduce_on_plateau).
+    inner = third_party.optimizer(make(optax.contrib))
+    tx = jaxscale.grad_scaler(inner, init_scale=2.0**10)
+
+    @jax.jit
+    def step(params, opt_state, poison):
+        grads = scaled_grads(params, opt_state, poison)
+        return tx.update(grads, opt_state, params, **extra_args)
+
+    opt_state = tx.init(PARAMS)
+    updates, new_state = step(PARAMS, opt_state, False)
+    grads = jax.grad(loss_fn)(PARAMS)
+    reference = jax.jit(functools.partial(inner.update, **extra_args))
+    expected, expected_state = reference(grads, inner.init(PARAMS), PARAMS)
+    assert_close(updates, expected)
+    assert_close(new_state.inner_state, expected_state)
+    skipped, skipped_state = step(PARAMS, new_state, True)
+    assert bits(skipped_state.inner_state) == bits(new_state.inner_state)
+    assert all(np.signbit(np.asarray(u)).all() for u in jax.tree.leaves(skipped))
+    assert float(jaxscale.get_scale(skipped_state)) == 2.0**9
+
+
+def test_lookahead_takes_its_fast_and_slow_parameters_as_params():
+    # optax.lookahead's update takes gradients of the fast parameters and params
+    # holding both: the two trees differ in structure, as Optax allows.
+    def lookahead():
+        return third_party.optimizer(
+            optax.lookahead(optax.adam(1e-2), sync_period=2, slow_step_size=0.5)
+        )
+
+    tx = jaxscale.grad_scaler(lookahead(), init_scale=2.0**10)
+
+    @jax.jit
+    def step(params, opt_state, poison):
+        grads = scaled_grads(params.fast, opt_state, poison)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    @jax.jit
+    def reference_step(params, opt_state):
+        updates, opt_state = lookahead().update(jax.grad(loss_fn)(params.fast), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = reference = optax.LookaheadParams.init_synced(PARAMS)
+    opt_state, reference_state = tx.init(params), lookahead().init(params)
+    for _ in range(3):  # through a synchronisation of the slow parameters
+        params, opt_state = step(params, opt_state, False)
+        reference, reference_state = reference_step(reference, reference_state)
+    assert_close(params, reference)
+    assert_close(opt_state.inner_state, reference_state)
+    skipped_params, skipped_state = step(params, opt_state, True)
+    assert bits(skipped_params) == bits(params)
+    assert bits(skipped_state.inner_state) == bits(opt_state.inner_state)
+    assert float(jaxscale.get_scale(skipped_state)) == 2.0**9
+
+
+def test_gradients_of_another_structure_are_named_when_the_optimizer_fails_on_them():
+    tx = jaxscale.grad_scaler(adam(1e-2), init_scale=4.0)
+    opt_state = tx.init(PARAMS)
+    with pytest.raises(ValueError, match=r"no gradient for parameter \['b'\]") as error:
+        tx.update({"w": jnp.ones((4, 3))}, opt_state, PARAMS)
+    # the optimizer's own error, with the mismatch named in a note
+    assert error.value.__notes__ == [
+        "the gradients do not match the parameters' tree structure: no gradient for parameter ['b']"
+    ]
+    # a shape mismatch is raised before the optimizer runs
+    with pytest.raises(ValueError, match=r"the gradient at \['b'\] has shape \(2,\)"):
+        tx.update({"w": jnp.ones((4, 3)), "b": jnp.ones(2)}, opt_state, PARAMS)
