@@ -16,6 +16,7 @@ from support.model_training import (
     PRECISIONS,
     assert_all_matmuls_in,
     assert_trains_like,
+    equations,
     padded_tokens,
     run_steps,
 )
@@ -116,3 +117,67 @@ def test_autocast_inside_hk_transform_raises_naming_the_remedy():
     message = str(error.value)
     assert "jaxscale.autocast(Linear) was called inside hk.transform" in message
     assert "jaxscale.autocast(transformed.apply)(params, rng, x)" in message
+
+
+DEPTH = 4
+
+
+def stacked_residual_mlp(x):
+    """Residual MLP blocks stacked by ``hk.experimental.layer_stack`` (one scan over
+    parameters with a leading layer axis), each block's MLP under ``hk.remat``."""
+    x = hk.Linear(WIDTH)(x)
+
+    @hk.experimental.layer_stack(DEPTH)
+    def block(h):
+        r = hk.LayerNorm(axis=-1, create_scale=True, create_offset=True)(h)
+        return h + hk.remat(hk.nets.MLP([2 * WIDTH, WIDTH], activation=jax.nn.gelu))(r)
+
+    return hk.Linear(1)(block(x))[..., 0]
+
+
+STACKED = hk.without_apply_rng(hk.transform(stacked_residual_mlp))
+REGRESSION_X = jnp.linspace(-1.0, 1.0, 64 * 16, dtype=jnp.float32).reshape(64, 16)
+REGRESSION_Y = jnp.sin(3.0 * REGRESSION_X.sum(-1))
+
+
+def train_stacked(precision):
+    params = STACKED.init(jax.random.key(0), REGRESSION_X)
+    optimizer = optax.adam(3e-3)
+    if precision is not None:
+        optimizer = jaxscale.grad_scaler(optimizer, init_scale=2.0**10, enabled=precision == F16)
+
+    def loss_fn(params):
+        return jnp.mean(jnp.square(STACKED.apply(params, REGRESSION_X) - REGRESSION_Y))
+
+    def step(carry, _):
+        params, opt_state = carry
+        if precision is None:
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+        else:
+            cast_loss = jaxscale.autocast(loss_fn, dtype=precision)
+            grads, loss = jax.grad(
+                lambda p: (jaxscale.scale(cast_loss(p), opt_state), cast_loss(p)), has_aux=True
+            )(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    carry = (params, optimizer.init(params))
+    carry, losses = run_steps(jax.jit(step), carry, [None] * 30)
+    return params, carry, losses, step
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_layer_stack_of_remat_blocks_trains_like_float32(precision):
+    _, _, reference, _ = train_stacked(None)
+    params, carry, losses, step = train_stacked(precision)
+    assert_trains_like(reference, losses, rtol=0.05, label=np.dtype(precision).name)
+    # the stacked parameters keep their leading layer axis and float32
+    stacked = params["__layer_stack_no_per_layer/mlp/~/linear_0"]["w"]
+    assert stacked.shape == (DEPTH, WIDTH, 2 * WIDTH)
+    assert stacked.dtype == F32
+    if precision == F16:
+        assert int(jaxscale.skipped_steps(carry[1])) == 0
+    jaxpr = jax.make_jaxpr(step)(carry, None)
+    assert_all_matmuls_in(precision, jaxpr)
+    primitives = {eqn.primitive.name for eqn in equations(jaxpr)}
+    assert {"scan", "remat2"} <= primitives  # the layers' scan, each block's jax.checkpoint
