@@ -130,15 +130,26 @@ def require_matching_shapes(grads: Any, params: Any) -> None:
             )
 
 
+def optax_params_mismatch(grads: Any, params: Any) -> ValueError | None:
+    """Check ``grads`` against an Optax transformation's ``params``: a shape mismatch at
+    a path both share raises ``ValueError`` now; a mismatch of tree structure is
+    returned, for :func:`noted_on_failure` to name if the optimizer then fails.
+
+    Optax's ``params`` need not have the gradients' structure: ``optax.lookahead``
+    takes its fast and slow parameters together.
+    """
+    require_matching_shapes(grads, params)
+    return structure_mismatch(grads, params)
+
+
 @contextlib.contextmanager
 def noted_on_failure(mismatch: ValueError | None) -> Iterator[None]:
     """Run the block; if it raises and ``mismatch`` is not ``None``, add ``mismatch``'s
     message to the error as a note (PEP 678) and let it propagate.
 
-    An Optax transformation's ``params`` need not have its updates' structure
-    (``optax.lookahead`` takes its fast and slow parameters together), so a
-    structure mismatch is not an error in itself; where the optimizer's update
-    fails, the mismatch is the likely reason, and the note names its leaves.
+    A structure mismatch with an Optax transformation's ``params`` is not an error
+    in itself (:func:`optax_params_mismatch`); where the optimizer's update fails,
+    it is the likely reason, and the note names its leaves.
     """
     try:
         yield

@@ -18,8 +18,8 @@ and how to make a skipped update change nothing:
 
 Each update runs through :func:`~jaxscale.core.run_unless` (``nnx.Optimizer``'s
 through :func:`~jaxscale.core.update_unless`, which returns its updates too): a
-select that reads back what it selected, so the parameters and optimizer state are updated in
-place, never copied, and the predicate stays off the host. The gradients are
+select that reads back what it selected, so the parameters and optimizer state
+are updated in place, never copied, and the predicate stays off the host. The gradients are
 prepared (unscaled) inside it, so the unscaling fuses into the optimizer's own
 pass instead of writing the unscaled gradients out first.
 """
@@ -35,7 +35,7 @@ from flax import nnx
 from flax.training import train_state
 
 from jaxscale.core import run_unless, update_unless
-from jaxscale.core._leaves import require_matching, require_matching_shapes, structure_mismatch
+from jaxscale.core._leaves import optax_params_mismatch, require_matching
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
@@ -55,13 +55,10 @@ class Adapter:
         raise NotImplementedError
 
     def check_grads(self, optimizer: Any, args: Args, kwargs: Kwargs) -> ValueError | None:
-        """``ValueError`` unless the gradients match the parameters' shapes. A mismatch of
-        tree structure is returned instead, for the step to note on the update's error if
-        the update fails: Optax's ``params`` need not have the gradients' structure
-        (``optax.lookahead`` takes its fast and slow parameters together)."""
-        grads, params = self.grads(args, kwargs), self.params(optimizer, args, kwargs)
-        require_matching_shapes(grads, params)
-        return structure_mismatch(grads, params)
+        """``ValueError`` unless the gradients match the parameters' shapes; a mismatch of
+        tree structure is returned, for the step to name if the update fails on it
+        (``optax_params_mismatch``)."""
+        return optax_params_mismatch(self.grads(args, kwargs), self.params(optimizer, args, kwargs))
 
     def step(self, optimizer: Any, args: Args, kwargs: Kwargs) -> Any:
         """Run the optimizer's update unconditionally."""

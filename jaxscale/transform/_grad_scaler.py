@@ -19,7 +19,7 @@ from jaxscale.core import (
 )
 from jaxscale.core import _validation as validation
 from jaxscale.core._diagnostics import NonfiniteRecord, empty_nonfinite_record, keep_overflow_record
-from jaxscale.core._leaves import noted_on_failure, require_matching_shapes, structure_mismatch
+from jaxscale.core._leaves import noted_on_failure, optax_params_mismatch
 from jaxscale.core._scaling import unscale
 
 
@@ -162,12 +162,7 @@ def grad_scaler(
                 "update() was given nonfinite_report=, but this grad_scaler keeps no overflow "
                 "origin; build it with grad_scaler(..., record_overflow_origin=True)"
             )
-        # Shapes are checked now; a structure mismatch is named only if inner fails (the
-        # params of optax.lookahead hold its fast and slow parameters).
-        mismatch = None
-        if params is not None:
-            require_matching_shapes(updates, params)
-            mismatch = structure_mismatch(updates, params)
+        mismatch = None if params is None else optax_params_mismatch(updates, params)
         found_inf = any_over_axis(jnp.logical_not(all_finite(updates)), axis_name)
         inv_scale = inverse_scale(state.scaler.scale)
 

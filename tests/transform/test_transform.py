@@ -425,10 +425,6 @@ def test_params_with_non_array_leaves_and_none_gradients_are_accepted_as_in_opta
         tx.update({"w": jnp.ones((5, 3))}, tx.init({"w": jnp.zeros((5, 3))}), {"w": params["w"]})
 
 
-def sophia_objective(params):
-    return loss_fn(params)
-
-
 # Each optimizer as optax.contrib has it; muon and sophia came after the oldest optax
 # jaxscale supports, which has no such optimizer to test.
 BEYOND_ELEMENTWISE = {
@@ -439,7 +435,7 @@ BEYOND_ELEMENTWISE = {
         {},
     ),
     "prodigy": ("prodigy", lambda contrib: contrib.prodigy(1.0), {}),
-    "sophia": ("sophia", lambda contrib: contrib.sophia(1e-2), {"obj_fn": sophia_objective}),
+    "sophia": ("sophia", lambda contrib: contrib.sophia(1e-2), {"obj_fn": loss_fn}),
     "adam+reduce_on_plateau": (
         "reduce_on_plateau",
         lambda contrib: optax.chain(optax.adam(1e-2), contrib.reduce_on_plateau()),
