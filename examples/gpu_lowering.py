@@ -167,17 +167,19 @@ def table(platforms: list[str], names: list[str] | None = None) -> str:
     """A markdown table of the reports of ``names`` (every step by default) per platform."""
     lines = [
         "| step | platform | loops | conditionals on data (on constants) | host transfers "
-        "| array converts (elements) | matmul dtypes |",
-        "|---|---|---|---|---|---|---|",
+        "| array converts (elements) | matmul dtypes | sums by dtype |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name in names or list(STEPS):
         for platform in platforms:
             r = lowered(name, platform)
             dots = ", ".join(f"{n}x {k}" for k, n in sorted(r.matmul_dtypes.items()))
+            sums = ", ".join(f"{n}x {k}" for k, n in sorted(r.sum_dtypes.items()))
             lines.append(
                 f"| {name} | {platform} | {r.loops} | "
                 f"{r.data_conditionals} ({r.constant_conditionals}) | "
-                f"{r.host_transfers} | {r.array_converts} ({r.converted_elements:,}) | {dots} |"
+                f"{r.host_transfers} | {r.array_converts} ({r.converted_elements:,}) | {dots} "
+                f"| {sums} |"
             )
     return "\n".join(lines)
 

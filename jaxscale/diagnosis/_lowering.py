@@ -20,6 +20,7 @@ import jax
 
 _DEFINITION = re.compile(r"^\s*(%[\w#:]+)\s*=\s*(\"?[\w.]+\"?)(.*)$")
 _TENSOR = re.compile(r"tensor<([^>]*)>")
+_SUM = re.compile(r"stablehlo\.reduce\(.*applies stablehlo\.add across dimensions = \[([\d, ]*)\]")
 _HOST_OPS = ("stablehlo.send", "stablehlo.recv", "stablehlo.infeed", "stablehlo.outfeed")
 _PLATFORMS = ("cuda", "rocm", "tpu", "cpu")
 _JITTED = type(jax.jit(lambda: None))
@@ -42,6 +43,10 @@ class LoweringReport:
       converted_elements: the elements those conversions touch.
       matmul_dtypes: ``{"f16 x f16 -> f16": count, ...}`` over every
         ``dot_general`` and convolution: operand dtypes and result dtype.
+      sum_dtypes: ``{"f32": count, ...}`` over every sum that adds more than one
+        element into each result (a ``reduce`` with ``add``): the dtype it
+        accumulates in. Under autocast a backward pass's sums (a bias's gradient)
+        are float32 on an accelerator, as PyTorch's are.
     """
 
     loops: int
@@ -51,6 +56,7 @@ class LoweringReport:
     array_converts: int
     converted_elements: int
     matmul_dtypes: dict[str, int]
+    sum_dtypes: dict[str, int]
 
     @property
     def syncs_with_host(self) -> bool:
@@ -102,6 +108,7 @@ def analyse_stablehlo(module: str) -> LoweringReport:
     constants: set[str] = set()
     loops = data_cases = constant_cases = host = converts = converted = 0
     matmuls: collections.Counter[str] = collections.Counter()
+    sums: collections.Counter[str] = collections.Counter()
     lines = module.splitlines()
     for number, line in enumerate(lines):
         match = _DEFINITION.match(line)
@@ -133,8 +140,15 @@ def analyse_stablehlo(module: str) -> LoweringReport:
             if tensors:
                 kinds = [t.split("x")[-1] for t in tensors]
                 matmuls[" x ".join(kinds[:2]) + " -> " + kinds[-1]] += 1
+        summed = _SUM.search(line)
+        if summed:
+            operand = _TENSOR.findall(line)[0]
+            sizes = [int(d) for d in operand.split("x")[:-1]]
+            axes = [int(a) for a in summed.group(1).split(",") if a.strip()]
+            if math.prod(sizes[a] for a in axes) > 1:
+                sums[operand.split("x")[-1]] += 1
     return LoweringReport(
-        loops, data_cases, constant_cases, host, converts, converted, dict(matmuls)
+        loops, data_cases, constant_cases, host, converts, converted, dict(matmuls), dict(sums)
     )
 
 

@@ -390,3 +390,57 @@ def test_re_bound_operations_keep_the_users_line_and_named_scope():
     dot_lines = [text for text in hlo.splitlines() if "dot_general" in text]
     assert any("attention_block" in text for text in dot_lines)
     assert f'test_autocast.py":{line}' in hlo
+
+
+class _TimeConditionedConv(nnx.Module):
+    """A diffusion model's block: a biased convolution plus a time embedding broadcast
+    over the feature map (``[batch, 1, 1, channels]``), both products of matmuls."""
+
+    def __init__(self, rngs):
+        self.conv = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+        self.time = nnx.Linear(4, 8, rngs=rngs)
+
+    def __call__(self, images, times):
+        return self.conv(images) + self.time(times)[:, None, None, :]
+
+
+BROADCAST_GRADIENTS = {
+    "linear bias": lambda m, x, t: m.time(t),
+    "convolution bias and a broadcast time embedding": lambda m, x, t: m(x, t),
+    "jnp.broadcast_to of a product": lambda m, x, t: jnp.broadcast_to(
+        m.time(t)[:, None, :], (t.shape[0], 5, 8)
+    ),
+    "a 0-d product times an array": lambda m, x, t: m.time(t) * (t[0] @ m.time.kernel[:, 0]),
+}
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("name", list(BROADCAST_GRADIENTS))
+def test_the_gradient_of_a_broadcast_half_value_is_summed_in_float32(name, dtype):
+    # PyTorch's backward of a broadcast (sum_to_size) accumulates float16 in float32 and
+    # rounds once; a float16 sum of thousands of a bias's terms would drift or overflow
+    model = _TimeConditionedConv(nnx.Rngs(0))
+    images = jnp.asarray(np.random.default_rng(2).normal(size=(4, 6, 6, 3)), F32)
+    times = jnp.asarray(np.random.default_rng(3).normal(size=(4, 4)), F32)
+    fn = BROADCAST_GRADIENTS[name]
+
+    def loss(model):
+        return jnp.sum(jnp.asarray(fn(model, images, times), F32) ** 2)
+
+    graphdef, state = nnx.split(model)
+    autocast_loss = jaxscale.autocast(loss, dtype=dtype)
+    half = {F16: "f16", BF16: "bf16"}[dtype]
+    with third_party.standard_promotion():
+        forward = jax.make_jaxpr(lambda s: autocast_loss(nnx.merge(graphdef, s)))(state)
+        grads = jax.grad(lambda s: autocast_loss(nnx.merge(graphdef, s)))
+        accelerator = jaxscale.lowering_report(grads, state, platform="cuda")
+        cpu = jaxscale.lowering_report(grads, state, platform="cpu")
+        values = grads(state)
+    assert all_in(np.dtype(dtype).name, matmul_dtypes(forward))  # the products are half
+    assert set(accelerator.sum_dtypes) == {"f32"}, accelerator.sum_dtypes
+    assert accelerator.data_conditionals == 0  # the platform's choice is folded away
+    # on the CPU the sums stay in the value's dtype (XLA's CPU backend would slow the
+    # whole step down for float32 ones), and the gradients are float32 parameters' all
+    # the same
+    assert half in cpu.sum_dtypes, cpu.sum_dtypes
+    assert {leaf.dtype for leaf in jax.tree.leaves(values)} == {np.dtype(F32)}

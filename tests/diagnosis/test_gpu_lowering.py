@@ -53,6 +53,8 @@ def test_the_main_example_runs_every_matmul_in_float16_on_the_gpu():
     result = lowered("main example: autocast + GradScaler", "cuda")
     assert result.matmul_dtypes == {"f16 x f16 -> f16": 39}  # 13 forward, 26 backward
     assert result.array_converts > 0  # the casts autocast inserted
+    # the biases' gradients (and every other sum) accumulate in float32, as PyTorch's do
+    assert set(result.sum_dtypes) == {"f32"}, result.sum_dtypes
 
 
 def test_float8_runs_every_linear_layer_of_the_main_example_in_float8_on_the_gpu():
@@ -102,6 +104,19 @@ def test_array_converts_and_matmul_dtypes_are_counted():
     assert result.array_converts == 2  # one per operand (XLA merges them later)
     assert result.converted_elements == 32
     assert result.matmul_dtypes == {"f16 x f16 -> f16": 1}
+
+
+def test_sums_are_counted_by_the_dtype_they_accumulate_in():
+    def sums(x):
+        half = x.astype(jnp.float16)
+        return (
+            jax.lax.reduce(half, np.float16(0), jax.lax.add, (0,)),  # float16, 4 terms each
+            jnp.sum(x, axis=1),  # float32
+            jax.lax.reduce(half[:1], np.float16(0), jax.lax.add, (0,)),  # one term: not a sum
+            jnp.max(x),  # not a sum
+        )
+
+    assert lower(sums, jnp.ones((4, 3))).sum_dtypes == {"f16": 1, "f32": 1}
 
 
 def test_constant_conditionals_are_not_counted_as_data():
