@@ -257,6 +257,104 @@ def test_batchnorm_cnn_with_dropout_trains_and_keeps_its_statistics(precision):
     )
 
 
+class ResidualBlock(nnx.Module):
+    """A diffusion UNet's block: GroupNorm, SiLU, convolutions, and the time embedding
+    added over every pixel."""
+
+    def __init__(self, channels_in: int, channels: int, time_width: int, rngs: nnx.Rngs):
+        self.norm1 = nnx.GroupNorm(channels_in, num_groups=4, rngs=rngs)
+        self.conv1 = nnx.Conv(channels_in, channels, (3, 3), rngs=rngs)
+        self.time = nnx.Linear(time_width, channels, rngs=rngs)
+        self.norm2 = nnx.GroupNorm(channels, num_groups=4, rngs=rngs)
+        self.conv2 = nnx.Conv(channels, channels, (3, 3), rngs=rngs)
+        self.skip = nnx.Conv(channels_in, channels, (1, 1), rngs=rngs)
+
+    def __call__(self, x, time):
+        h = self.conv1(nnx.silu(self.norm1(x)))
+        h = h + self.time(nnx.silu(time))[:, None, None, :]
+        return self.conv2(nnx.silu(self.norm2(h))) + self.skip(x)
+
+
+class TinyUNet(nnx.Module):
+    """Down by a strided convolution, self-attention at the lowest resolution, up by a
+    transposed convolution and a nearest-neighbour resize, a skip connection across."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.time = nnx.Linear(16, 16, rngs=rngs)
+        self.inp = nnx.Conv(1, 8, (3, 3), rngs=rngs)
+        self.down_block = ResidualBlock(8, 8, 16, rngs)
+        self.down = nnx.Conv(8, 16, (3, 3), strides=(2, 2), rngs=rngs)
+        self.middle = ResidualBlock(16, 16, 16, rngs)
+        self.attention_norm = nnx.GroupNorm(16, num_groups=4, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(
+            num_heads=2, in_features=16, decode=False, rngs=rngs
+        )
+        self.up = nnx.ConvTranspose(16, 8, (2, 2), strides=(2, 2), rngs=rngs)
+        self.up_block = ResidualBlock(16, 8, 16, rngs)
+        self.out = nnx.Conv(8, 1, (3, 3), rngs=rngs)
+
+    def __call__(self, x, t):
+        frequencies = jnp.exp(-np.log(1000.0) * jnp.arange(8) / 8)
+        angles = t[:, None] * frequencies
+        time = self.time(jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], -1))
+        skip = self.down_block(self.inp(x), time)
+        h = self.middle(self.down(skip), time)
+        batch, height, width, channels = h.shape
+        tokens = self.attention_norm(h).reshape(batch, height * width, channels)
+        h = h + self.attention(tokens).reshape(h.shape)
+        up = self.up(h) + jax.image.resize(h, (*skip.shape[:3], channels), "nearest")[..., :8]
+        return self.out(self.up_block(jnp.concatenate([up, skip], -1), time))
+
+
+def denoising_loss(model, batch, rngs):
+    clean, t, noise = batch
+    keep = jnp.cos(t / 100 * np.pi / 2)[:, None, None, None]
+    noisy = keep * clean + jnp.sqrt(1 - keep**2) * noise
+    return jnp.mean((model(noisy, t) - noise) ** 2)
+
+
+def _noisy_squares(seed):
+    rng = np.random.default_rng(seed)
+    clean = np.zeros((8, 8, 8, 1))
+    clean[:, 2:6, 2:6] = rng.uniform(0.5, 1.5, (8, 1, 1, 1))
+    t, noise = rng.uniform(0, 100, 8), rng.normal(size=clean.shape)
+    return tuple(jnp.asarray(a, F32) for a in (clean, t, noise))
+
+
+SQUARES = [_noisy_squares(seed) for seed in range(16)]
+
+
+@functools.cache
+def _unet_float32_losses():
+    return train(TinyUNet, denoising_loss, None, SQUARES)[0]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_diffusion_unet_trains_like_float32(precision):
+    losses, (_, _, scaler, _) = train(TinyUNet, denoising_loss, precision, SQUARES)
+    assert_trains_like(_unet_float32_losses(), losses, rtol=0.02, label=np.dtype(precision).name)
+    if precision == F16:
+        assert int(scaler.skipped_steps()) == 0
+
+    def step(state, batch):
+        model, optimizer, scaler, rngs = nnx.merge(graphdef, state)
+        make_step(denoising_loss, precision)(model, optimizer, scaler, batch, rngs)
+        return nnx.state((model, optimizer, scaler, rngs))
+
+    model = TinyUNet(nnx.Rngs(0))
+    objects = (model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param))
+    graphdef, state = nnx.split(
+        (*objects, jaxscale.GradScaler(enabled=precision == F16), nnx.Rngs(dropout=1))
+    )
+    report = jaxscale.lowering_report(step, state, SQUARES[0])
+    # the convolutions, the transposed one and attention's matmuls: 23 forward, 44
+    # backward (the first two layers' inputs are data, which needs no gradient)
+    half = {F16: "f16", BF16: "bf16"}[precision]
+    assert report.matmul_dtypes == {f"{half} x {half} -> {half}": 67}, report.matmul_dtypes
+    # each bias's gradient and the time embedding's, summed over the pixels: float32
+    assert set(report.sum_dtypes) == {"f32"}, report.sum_dtypes
+
+
 def test_explicit_sharding_mesh_as_in_the_nnx_tutorials():
     # jax.make_mesh's axes are Explicit: every re-bound operation must keep the mesh
     # context it was traced under (an out_sharding gather runs under an Auto one)
