@@ -28,6 +28,10 @@ casts need:
   it saturates at the dtype's largest finite value instead of becoming inf: a
   mask fill of ``jnp.finfo(jnp.float32).min`` or ``-1e9`` stays a large negative
   number, as PyTorch's ``finfo(scores.dtype).min``, read at run time, is.
+* ``KNOWN``: a constant no gradient can reach: a literal, a concrete array the
+  trace captured, or computed from such alone. A captured value of an enclosing
+  trace (parameters a closure passes to ``jax.grad``) is ``CONSTANT`` but not
+  ``KNOWN``.
 
 Every equation is evaluated inside its own context (:func:`equation_context`):
 the casts and operations it becomes carry the user's source line, name stack and
@@ -41,6 +45,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -71,6 +76,7 @@ class Tag(enum.Flag):
     CONSTANT = enum.auto()
     MAXIMUM = enum.auto()
     STABILIZER = enum.auto()
+    KNOWN = enum.auto()
 
 
 # Primitives that move values without arithmetic: what a value is survives them.
@@ -183,9 +189,14 @@ class Autocaster:
     ) -> list[Any]:
         """Evaluate a ``ClosedJaxpr`` on ``args``; returns its outputs.
 
-        Its constants were captured when it was traced: they are :attr:`Tag.CONSTANT`.
+        Its constants were captured when it was traced: they are :attr:`Tag.CONSTANT`,
+        and :attr:`Tag.KNOWN` unless they are an enclosing transformation's values (a
+        function that closes over the parameters ``jax.grad`` differentiates).
         """
-        const_tags = [Tag.CONSTANT] * len(closed.consts)
+        const_tags = [
+            Tag.CONSTANT | (Tag.NONE if isinstance(c, jax.core.Tracer) else Tag.KNOWN)
+            for c in closed.consts
+        ]
         return self.eval(closed.jaxpr, closed.consts, args, arg_tags, const_tags)[0]
 
     def eval(
@@ -219,7 +230,7 @@ class Autocaster:
 
         def tag_of(atom: Any) -> Tag:
             if is_literal(atom):
-                return Tag.SCALAR | Tag.CONSTANT
+                return Tag.SCALAR | Tag.CONSTANT | Tag.KNOWN
             shape = getattr(atom.aval, "shape", None)
             return (Tag.SCALAR if shape == () else Tag.NONE) | tags.get(atom, Tag.NONE)
 
@@ -376,10 +387,10 @@ def _float32(value: Any) -> Any:
 def _sums_back_in_half(eqn: Any, invals: list[Any], in_tags: list[Tag], index: int) -> bool:
     """Whether input ``index`` is a float16 or bfloat16 value that the equation spreads
     over more elements, so that its gradient is a sum: a broadcast, or an operand of
-    an elementwise operation broadcast against a larger one. Constants (no gradient)
-    are left alone."""
+    an elementwise operation broadcast against a larger one. Values no gradient can
+    reach (:attr:`Tag.KNOWN`) are left alone."""
     value = invals[index]
-    if value.dtype not in _HALF or Tag.CONSTANT in in_tags[index]:
+    if value.dtype not in _HALF or Tag.KNOWN in in_tags[index]:
         return False
     spread = np.prod(eqn.outvars[0].aval.shape, dtype=int)
     return bool(np.prod(value.shape, dtype=int) < spread)
@@ -455,6 +466,8 @@ def _output_tags(
     """What each output is: the input's facts through views and broadcasts, a product
     after a matmul, and a constant when every input is one."""
     constant = Tag.CONSTANT if all(Tag.CONSTANT in t for t in in_tags) else Tag.NONE
+    if all(Tag.KNOWN in t for t in in_tags):
+        constant |= Tag.KNOWN
     return [tag | constant for tag in _structural_tags(name, precision, eqn, in_tags, count)]
 
 
@@ -467,7 +480,7 @@ def _structural_tags(
     if maximum is not Tag.NONE:
         return [maximum] * count
     if name in _VIEWS:
-        return [in_tags[0] & ~(Tag.CONSTANT | Tag.MAXIMUM | Tag.STABILIZER)] * count
+        return [in_tags[0] & ~(Tag.CONSTANT | Tag.KNOWN | Tag.MAXIMUM | Tag.STABILIZER)] * count
     if name == "convert_element_type":
         return [in_tags[0] & (Tag.SCALAR | Tag.BROADCAST)]
     if name == "broadcast_in_dim":

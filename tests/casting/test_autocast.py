@@ -444,3 +444,25 @@ def test_the_gradient_of_a_broadcast_half_value_is_summed_in_float32(name, dtype
     # the same
     assert half in cpu.sum_dtypes, cpu.sum_dtypes
     assert {leaf.dtype for leaf in jax.tree.leaves(values)} == {np.dtype(F32)}
+
+
+def test_parameters_a_closure_captures_are_summed_in_float32_like_arguments():
+    # jax.grad(lambda p: autocast(lambda x: layer(p, x))(x)): the parameters reach the
+    # autocast function as captured values of the enclosing trace, not as arguments
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(16, 4)), F32)
+    params = {"w": W, "b": jnp.linspace(-1.0, 1.0, 4, dtype=F32)}
+
+    def closing_over(params):
+        layer = jaxscale.autocast(lambda x: x @ params["w"] + params["b"][None])
+        return jnp.sum(layer(x).astype(F32) ** 2)
+
+    def passing(params):
+        layer = jaxscale.autocast(lambda p, x: x @ p["w"] + p["b"][None])
+        return jnp.sum(layer(params, x).astype(F32) ** 2)
+
+    for loss in (closing_over, passing):
+        report = jaxscale.lowering_report(jax.grad(loss), params, platform="cuda")
+        assert report.sum_dtypes == {"f32": 1}, (loss.__name__, report.sum_dtypes)
+    closed, passed = jax.grad(closing_over)(params), jax.grad(passing)(params)
+    for a, b in zip(jax.tree.leaves(closed), jax.tree.leaves(passed), strict=True):
+        np.testing.assert_array_equal(a, b)
