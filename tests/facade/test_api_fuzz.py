@@ -182,6 +182,7 @@ def run_sequence(seed: int) -> tuple[int, int]:
     return LENGTH, raised
 
 
+@pytest.mark.randomized
 def test_random_call_sequences_match_pytorch():
     calls = raised = 0
     for seed in range(SEQUENCES):

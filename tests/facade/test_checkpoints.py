@@ -129,6 +129,7 @@ def test_facade_resumes_bit_identically_over_200_steps(method, tmp_path):
     assert straight[1]["scale"] not in (2.0**8, 0.0)  # the scale moved both ways
 
 
+@pytest.mark.randomized
 @settings(
     max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -229,6 +229,7 @@ def run_scenario(seed):
     return events
 
 
+@pytest.mark.randomized
 def test_random_scenarios_match_pytorch():
     events = collections.Counter()
     for seed in range(SCENARIOS):

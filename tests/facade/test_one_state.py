@@ -60,6 +60,7 @@ def scaled_grads(params, scaled_one, poison):
     return jax.grad(lambda p: jnp.sum(p["w"] ** 2) * poison * scaled_one)(params)
 
 
+@pytest.mark.randomized
 def test_facade_and_transform_follow_one_trajectory_over_random_scenarios():
     tx_inner = third_party.optimizer(optax.sgd(0.05))
     poisons = [np.inf, -np.inf, np.nan]
