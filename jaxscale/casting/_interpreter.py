@@ -378,12 +378,6 @@ class Autocaster:
         return out
 
 
-def _float32(value: Any) -> Any:
-    """``value`` converted to float32 (not through :meth:`Autocaster.cast`, whose cache
-    could hand back the wider value a half-precision one was rounded from)."""
-    return lax.convert_element_type(value, jnp.float32)
-
-
 def _sums_back_in_half(eqn: Any, invals: list[Any], in_tags: list[Tag], index: int) -> bool:
     """Whether input ``index`` is a float16 or bfloat16 value that the equation spreads
     over more elements, so that its gradient is a sum: a broadcast, or an operand of
@@ -415,7 +409,9 @@ def summed_back_in_float32(broadcast: Callable[[Any], Any], value: Any) -> Any:
     """
 
     def through_float32(half: Any) -> Any:
-        return cast(broadcast(_float32(half)), half.dtype)
+        # the module's cast, not Autocaster.cast, whose cache could hand back the wider
+        # value this one was rounded from
+        return cast(broadcast(cast(half, jnp.float32)), half.dtype)
 
     return lax.platform_dependent(value, cpu=broadcast, default=through_float32)
 
