@@ -16,7 +16,11 @@ casts need:
 * ``BROADCAST``: broadcast from a smaller array, as a bias is.
 * ``PRODUCT``: the output of a matmul or convolution, through reshapes and
   transposes. A bias added to it is cast to its dtype, since PyTorch's ``linear``,
-  ``conv`` and ``addmm`` include their bias.
+  ``conv`` and ``addmm`` include their bias. A bias varies only along the axes one
+  operand contributes (a layer's output features); an addend that also varies along
+  the other operand's axes or the batch axes (an attention bias over query and key
+  positions, a per-example mask) is added as PyTorch's ``+`` adds, promoting. Which
+  operand each axis comes from is followed through views (:mod:`._axes`).
 * ``MAXIMUM``, ``STABILIZER``: a maximum over an axis (``reduce_max``, through
   broadcasts and the ``max`` with ``-inf`` JAX adds), and such a maximum held
   constant by ``stop_gradient``. ``x - stop_gradient(max(x))`` is how
@@ -50,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale.casting import _axes
 from jaxscale.casting._float8_matmul import Float8Recipe, float8_dot_general
 from jaxscale.casting._float8_matmul import eligible as float8_eligible
 from jaxscale.casting._policy import Precision, is_registered, row_for
@@ -168,6 +173,20 @@ class Autocaster:
         # Casts made in the jaxpr being evaluated, so that a value cast for several
         # operations is converted once: {(id(value), dtype): (value, cast value)}.
         self._casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
+        # Where each axis of a product or a broadcast comes from (:mod:`._axes`), for the
+        # values of this whole call, across nested jits: {id(value): (value, labels)}.
+        self._axes: dict[int, tuple[Any, _axes.Labels]] = {}
+
+    def axes_of(self, value: Any) -> _axes.Labels | None:
+        entry = self._axes.get(id(value))
+        return entry[1] if entry is not None and entry[0] is value else None
+
+    def _note_axes(self, eqn: Any, invals: list[Any], outvals: list[Any]) -> None:
+        if len(outvals) != 1:
+            return
+        labels = _axes.of_output(eqn, [self.axes_of(v) for v in invals])
+        if labels is not None:
+            self._axes[id(outvals[0])] = (outvals[0], labels)
 
     def cast(self, value: Any, dtype: Any, tag: Tag = Tag.NONE) -> Any:
         """``value`` in ``dtype``, reusing this jaxpr's earlier cast of the same value.
@@ -280,6 +299,7 @@ class Autocaster:
             )
         else:
             outvals, out_tags = self.first_order(eqn, invals, in_tags)
+            self._note_axes(eqn, invals, outvals)
         return outvals, out_tags or [Tag.NONE] * len(outvals)
 
     # -- first-order equations ----------------------------------------------------------
@@ -325,7 +345,7 @@ class Autocaster:
                     params["preferred_element_type"] = self.dtype
         elif precision is Precision.FLOAT32:
             invals = [self.cast(v, jnp.float32) if v.dtype in _HALF else v for v in invals]
-        elif name in ("add", "add_any") and _is_bias_add(eqn, invals, in_tags):
+        elif name in ("add", "add_any") and self._is_bias_add(eqn, invals, in_tags):
             product = 0 if Tag.PRODUCT in in_tags[0] else 1
             addend = 1 - product
             invals[addend] = self.cast(invals[addend], invals[product].dtype, in_tags[addend])
@@ -344,6 +364,25 @@ class Autocaster:
                 invals = _broadcasts_summed_back_in_float32(eqn, invals, in_tags)
             outvals = bind_in_context(eqn, invals, params)
         return outvals, _output_tags(name, precision, eqn, in_tags, len(outvals))
+
+    def _is_bias_add(self, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> bool:
+        """One operand is a matmul's output, the other an addend broadcast over it (a bias):
+        fewer elements when traced, or made by broadcasting, or a scalar. Where both
+        operands' axes are known, the addend must vary along one operand's axes only."""
+        if not all(is_floating(v.dtype) for v in invals):
+            return False
+        sizes = [int(np.prod(v.aval.shape, dtype=int)) for v in eqn.invars]
+        for product, addend in ((0, 1), (1, 0)):
+            if Tag.PRODUCT not in in_tags[product]:
+                continue
+            if sizes[addend] < sizes[product] or in_tags[addend] & (Tag.BROADCAST | Tag.SCALAR):
+                return _axes.varies_along_one_operand(
+                    self.axes_of(invals[product]),
+                    self.axes_of(invals[addend]),
+                    eqn.invars[addend].aval.shape,
+                    eqn.outvars[0].aval.shape,
+                )
+        return False
 
     def _runs_in_float8(self, eqn: Any) -> bool:
         """A linear layer's matmul under a float8 recipe: eligible, and not a matmul of a
@@ -440,20 +479,6 @@ def _promotion_category(tag: Tag) -> int:
     if Tag.SCALAR not in tag:
         return 2
     return 0 if Tag.CONSTANT in tag else 1
-
-
-def _is_bias_add(eqn: Any, invals: list[Any], in_tags: list[Tag]) -> bool:
-    """One operand is a matmul's output, the other an addend broadcast over it (a bias):
-    fewer elements when traced, or made by broadcasting, or a scalar."""
-    if not all(is_floating(v.dtype) for v in invals):
-        return False
-    sizes = [int(np.prod(v.aval.shape, dtype=int)) for v in eqn.invars]
-    for product, addend in ((0, 1), (1, 0)):
-        if Tag.PRODUCT not in in_tags[product]:
-            continue
-        if sizes[addend] < sizes[product] or in_tags[addend] & (Tag.BROADCAST | Tag.SCALAR):
-            return True
-    return False
 
 
 def _output_tags(

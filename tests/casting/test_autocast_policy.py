@@ -74,6 +74,18 @@ LOWER_PRECISION = [
     ("einsum to a permuted layout, then its bias",
      lambda x, w, b: jnp.einsum("bij,jk->kbi", x, w) + b[:, None, None],
      (arr(2, 3, 4), B, arr(4)), F16),
+    ("linear vmapped over examples (weight @ x + bias)",
+     jax.vmap(lambda x, w, b: w @ x + b, in_axes=(0, None, None)), (A, B, arr(4)), F16),
+    # an addend varying along both operands' axes, or the batch's, is not a bias: `+`
+    # promotes the matmul's float16 output to the addend's float32
+    ("matmul + an attention bias over query and key positions",
+     lambda q, k, bias: jnp.einsum("bqd,bkd->bqk", q, k) + bias[None],
+     (arr(2, 4, 8), arr(2, 4, 8), A), F32),
+    ("matmul + a relative position bias per head",
+     lambda q, k, bias: jnp.einsum("bqhd,bkhd->bhqk", q, k) + bias,
+     (arr(2, 4, 3, 8), arr(2, 4, 3, 8), arr(1, 3, 4, 4)), F32),
+    ("matmul + a per-example mask", lambda q, k, mask: q @ jnp.swapaxes(k, 1, 2) + mask,
+     (arr(2, 4, 8), arr(2, 4, 8), arr(2, 1, 4)), F32),
 ]  # fmt: skip
 
 FLOAT32 = [

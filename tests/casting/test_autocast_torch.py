@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 from flax import nnx
 from jax import lax
@@ -114,3 +115,56 @@ def test_bias_gradients_are_pytorchs_bit_for_bit_on_an_accelerator_and_close_on_
     # the float32 sums were not representable in float16: the one rounding mattered
     exact = cotangent.sum(0)
     assert not np.array_equal(exact.astype(np.float16).astype(np.float32), exact)
+
+
+def _addition_cases():
+    """(name, jax function, torch function, inputs): a product plus an addend, as layers
+    write a bias and as attention writes a bias or a mask."""
+    rng = np.random.default_rng(1)
+
+    def arr(*shape):
+        return rng.normal(size=shape).astype(np.float32)
+
+    q, k, x, w, b = arr(2, 4, 8), arr(2, 4, 8), arr(5, 8), arr(6, 8), arr(6)
+    images, kernel, channels = arr(2, 3, 8, 8), arr(5, 3, 3, 3), arr(5)
+    conv = (lambda i, f: lax.conv_general_dilated(i, f, (1, 1), "SAME"),
+            lambda i, f: torch.nn.functional.conv2d(i, f, padding=1))  # fmt: skip
+    return [
+        ("a linear layer's bias",
+         lambda x, w, b: x @ w.T + b, torch.nn.functional.linear, (x, w, b)),
+        ("a linear layer's bias, the layer vmapped over examples (weight @ x + bias)",
+         jax.vmap(lambda x, w, b: w @ x + b, in_axes=(0, None, None)),
+         torch.nn.functional.linear, (x, w, b)),
+        ("a convolution's bias",
+         lambda i, f, c: conv[0](i, f) + c[:, None, None],
+         lambda i, f, c: torch.nn.functional.conv2d(i, f, c, padding=1),
+         (images, kernel, channels)),
+        ("an attention bias over query and key positions",
+         lambda q, k, bias: jnp.einsum("bqd,bkd->bqk", q, k) + bias,
+         lambda q, k, bias: q @ k.mT + bias, (q, k, arr(4, 4))),
+        ("a per-example padding mask",
+         lambda q, k, mask: jnp.einsum("bqd,bkd->bqk", q, k) + mask,
+         lambda q, k, mask: q @ k.mT + mask, (q, k, arr(2, 1, 4))),
+        ("a per-example embedding over a convolution's output",
+         lambda i, f, e: conv[0](i, f) + e, lambda i, f, e: conv[1](i, f) + e,
+         (images, kernel, arr(2, 5, 1, 1))),
+    ]  # fmt: skip
+
+
+ADDITIONS = _addition_cases()
+
+
+@pytest.mark.parametrize(
+    ("name", "ours", "theirs", "inputs"), ADDITIONS, ids=[c[0] for c in ADDITIONS]
+)
+def test_an_addend_is_a_layers_bias_or_promotes_as_pytorchs_plus_does(name, ours, theirs, inputs):
+    # PyTorch's linear and conv include their bias, so it is added in float16; an
+    # addend that `+` adds to a matmul's float16 output promotes the sum to float32
+    with torch.autocast("cpu", dtype=torch.float16):
+        expected = theirs(*(torch.from_numpy(a) for a in inputs))
+    with third_party.standard_promotion():
+        got = jaxscale.autocast(ours, dtype=jnp.float16)(*inputs)
+    assert str(got.dtype) == str(expected.dtype).removeprefix("torch.")
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), expected.float().numpy(), rtol=2**-9, atol=2**-9
+    )

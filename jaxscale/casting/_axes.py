@@ -1,0 +1,142 @@
+"""Where each axis of a value comes from: what tells a layer's bias from other addends.
+
+PyTorch's ``linear``, ``conv`` and ``addmm`` include their bias, so under autocast a
+bias is added in the autocast dtype; a tensor added to a matmul's output with ``+``
+is promoted as ``+`` promotes. A jaxpr has only the ``add``. What tells them apart
+is which axes the addend varies along:
+
+* a bias varies along the axes one operand of the product contributes (a dense
+  layer's output features, a convolution's output channels; the weight's axes, or
+  under ``vmap`` of ``weight @ x`` the left operand's);
+* an attention bias over query and key positions varies along both operands' axes,
+  a per-example mask along the batch axes.
+
+Labels, one per axis, record this. A matmul's or convolution's output is labelled
+:data:`BATCH`, :data:`LHS` or :data:`RHS` by the operand the axis comes from; a
+broadcast is labelled :data:`VARIES` or :data:`CONSTANT` along each axis. Views
+(reshape, transpose, squeeze, dtype conversion) carry the labels along.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Labels = tuple[str, ...]
+
+BATCH, LHS, RHS, MIXED = "batch", "lhs", "rhs", "mixed"
+VARIES, CONSTANT = "varies", "constant"
+
+_SAME_AXES = {"convert_element_type", "copy", "copy_p", "reduce_precision", "name", "device_put"}
+
+
+def of_output(eqn: Any, in_labels: list[Labels | None]) -> Labels | None:
+    """The labels of the single output of ``eqn``; ``None`` where nothing is known."""
+    name = eqn.primitive.name
+    if name == "dot_general":
+        return _dot_general(eqn)
+    if name == "conv_general_dilated":
+        return _convolution(eqn)
+    if name == "broadcast_in_dim":
+        return _broadcast(eqn, in_labels[0])
+    source = in_labels[0] if in_labels else None
+    if source is None:
+        return None
+    if name in _SAME_AXES:
+        return source
+    if name == "transpose":
+        return tuple(source[i] for i in eqn.params["permutation"])
+    if name == "squeeze":
+        dropped = set(eqn.params["dimensions"])
+        return tuple(label for i, label in enumerate(source) if i not in dropped)
+    if name == "reshape" and eqn.params.get("dimensions") is None:
+        return _reshape(tuple(eqn.invars[0].aval.shape), tuple(eqn.outvars[0].aval.shape), source)
+    return None
+
+
+def varies_along_one_operand(
+    product: Labels | None, addend: Labels | None, addend_shape: Any, shape: Any
+) -> bool:
+    """Whether an addend of ``addend_shape`` (labelled ``addend``, or ``None``), added to
+    ``product`` of ``shape``, varies only along the axes of one of the product's operands,
+    as a bias does. Size-1 axes the addition broadcasts count as constant. ``True``
+    where the product's axes are not known, the addend is 0-d, or it is as large as
+    the product with no labels (broadcast by means not followed here)."""
+    if product is None or len(product) != len(shape) or len(addend_shape) != len(shape):
+        return True
+    if addend is None:
+        if tuple(addend_shape) == tuple(shape):
+            return True
+        addend = tuple(VARIES if n > 1 else CONSTANT for n in addend_shape)
+    if any(a not in (VARIES, CONSTANT) for a in addend):
+        return True
+    sources = {
+        p
+        for p, a, n, out in zip(product, addend, addend_shape, shape, strict=True)
+        if a == VARIES and n > 1 and out > 1
+    }
+    # an axis merged from both operands' axes tells nothing either way
+    return sources <= {LHS, MIXED} or sources <= {RHS, MIXED}
+
+
+def _dot_general(eqn: Any) -> Labels:
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+    lhs_ndim, rhs_ndim = (len(v.aval.shape) for v in eqn.invars[:2])
+    return (
+        (BATCH,) * len(lhs_batch)
+        + (LHS,) * (lhs_ndim - len(lhs_contract) - len(lhs_batch))
+        + (RHS,) * (rhs_ndim - len(rhs_contract) - len(rhs_batch))
+    )
+
+
+def _convolution(eqn: Any) -> Labels:
+    ndim = len(eqn.outvars[0].aval.shape)
+    numbers = eqn.params.get("dimension_numbers")
+    feature = numbers.out_spec[1] if numbers is not None else 1
+    # the batch and spatial axes come from the input, the output channels from the kernel
+    return tuple(RHS if i == feature else LHS for i in range(ndim))
+
+
+def _broadcast(eqn: Any, source: Labels | None) -> Labels:
+    operand = tuple(eqn.invars[0].aval.shape)
+    kept = dict(zip(eqn.params["broadcast_dimensions"], range(len(operand)), strict=True))
+    labels = []
+    for axis in range(len(eqn.outvars[0].aval.shape)):
+        i = kept.get(axis)
+        varies = i is not None and operand[i] > 1 and (source is None or source[i] != CONSTANT)
+        labels.append(VARIES if varies else CONSTANT)
+    return tuple(labels)
+
+
+def _reshape(before: tuple[int, ...], after: tuple[int, ...], source: Labels) -> Labels | None:
+    """Labels through a reshape: each run of axes that is merged or split into another
+    keeps its label if all its axes longer than 1 share one."""
+    if 0 in before or 0 in after:
+        return None
+    labels: list[str] = []
+    i = j = 0
+    while i < len(before) or j < len(after):
+        group_in, group_out = [i], [j]
+        size_in = before[i] if i < len(before) else 1
+        size_out = after[j] if j < len(after) else 1
+        while size_in != size_out:
+            if size_in < size_out:
+                i += 1
+                group_in.append(i)
+                size_in *= before[i]
+            else:
+                j += 1
+                group_out.append(j)
+                size_out *= after[j]
+        found = {source[k] for k in group_in if k < len(before) and before[k] > 1}
+        label = _merged(found)
+        labels.extend(label if after[k] > 1 else CONSTANT for k in group_out if k < len(after))
+        i, j = group_in[-1] + 1, group_out[-1] + 1
+    return tuple(labels)
+
+
+def _merged(found: set[str]) -> str:
+    if not found:
+        return CONSTANT
+    if len(found) == 1:
+        return next(iter(found))
+    return VARIES if found <= {VARIES, CONSTANT} else MIXED
