@@ -101,6 +101,11 @@ _BROADCASTING_ELEMENTWISE = {
     "add", "sub", "mul", "div", "max", "min", "atan2", "rem", "pow", "clamp", "select_n",
 }  # fmt: skip
 
+# Sums and products that keep a float16 or bfloat16 input's dtype (avg_pool; under the
+# CPU policy also sum, cumsum, cumprod), which PyTorch's kernels accumulate in float32,
+# rounding the result once: XLA would round every partial result.
+_ACCUMULATES_IN_FLOAT32 = {"reduce_window_sum", "reduce_sum", "cumsum", "cumprod"}
+
 HigherOrderRule = Callable[["Autocaster", Any, list[Any], list[Tag]], tuple[list[Any], list[Tag]]]
 HIGHER_ORDER: dict[str, HigherOrderRule] = {}
 
@@ -352,7 +357,10 @@ class Autocaster:
         else:
             invals = self._promote_to_widest(invals, in_tags, traced)
 
-        if name == "broadcast_in_dim" and _sums_back_in_half(eqn, invals, in_tags, 0):
+        if name in _ACCUMULATES_IN_FLOAT32 and invals[0].dtype in _HALF:
+            wide = bind_in_context(eqn, [cast(invals[0], jnp.float32)], params)
+            outvals = [cast(v, invals[0].dtype) for v in wide]
+        elif name == "broadcast_in_dim" and _sums_back_in_half(eqn, invals, in_tags, 0):
             rest = invals[1:]
             outvals = [
                 summed_back_in_float32(

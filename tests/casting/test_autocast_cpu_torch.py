@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import ClassVar
 
+import flax.linen
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,6 +106,45 @@ def test_each_op_takes_the_dtype_torch_cpu_autocast_gives_it(name, ours, theirs,
     np.testing.assert_allclose(
         np.asarray(got, np.float32), expected.float().numpy(), rtol=tolerance, atol=tolerance
     )
+
+
+def _nhwc(f):  # a jax pooling of an NHWC array, on the NCHW layout torch pools
+    return lambda a: jnp.transpose(f(jnp.transpose(a, (0, 2, 3, 1))), (0, 3, 1, 2))
+
+
+# (name, policies, jax function, torch function): float16 sums and products PyTorch's
+# kernels accumulate in float32 and round once, where XLA rounds every partial result
+ACCUMULATING = [
+    ("sum", ("cpu",), lambda h: jnp.sum(h, axis=0), lambda h: h.sum(0)),
+    ("cumsum", ("cpu",), lambda h: jnp.cumsum(h, axis=0), lambda h: h.cumsum(0)),
+    ("cumprod", ("cpu",), lambda h: jnp.cumprod(1 + h / 64, axis=0),
+     lambda h: (1 + h / 64).cumprod(0)),
+    ("avg_pool 2x2", ("cpu", "cuda"), _nhwc(lambda h: flax.linen.avg_pool(h, (2, 2), (2, 2))),
+     lambda h: F.avg_pool2d(h, 2)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "policies", "ours", "theirs"), ACCUMULATING, ids=[row[0] for row in ACCUMULATING]
+)
+def test_float16_sums_are_accumulated_in_float32_bit_for_bit_as_pytorchs(
+    name, policies, ours, theirs
+):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 8, 32, 32)).astype(np.float32)
+    k = (rng.normal(size=(8, 8, 3, 3)) / 4).astype(np.float32)
+
+    def jax_fn(x, k):
+        return ours(jax.lax.conv_general_dilated(x, k, (1, 1), "SAME"))
+
+    with torch.autocast("cpu", dtype=torch.float16):
+        expected = theirs(F.conv2d(torch.from_numpy(x), torch.from_numpy(k), padding=1))
+    assert expected.dtype == torch.float16
+    for policy in policies:
+        with third_party.standard_promotion():
+            got = jaxscale.autocast(jax_fn, device_type=policy, dtype=jnp.float16)(x, k)
+        assert got.dtype == jnp.float16
+        np.testing.assert_array_equal(np.asarray(got), expected.numpy())
 
 
 def test_the_cuda_policy_differs_from_the_cpu_one_where_pytorchs_lists_do():

@@ -35,6 +35,13 @@ def arr(*shape, dtype=F32, low=0.1, high=0.9):
 
 
 A, B = arr(4, 4), arr(4, 4)
+_OTHER = np.random.default_rng(1)
+
+
+def other(*shape):  # inputs drawn apart, so that adding rows leaves the others' draws alone
+    return jnp.asarray(_OTHER.uniform(0.1, 0.9, shape), F32)
+
+
 EYE = jnp.eye(4)
 
 
@@ -75,17 +82,17 @@ LOWER_PRECISION = [
      lambda x, w, b: jnp.einsum("bij,jk->kbi", x, w) + b[:, None, None],
      (arr(2, 3, 4), B, arr(4)), F16),
     ("linear vmapped over examples (weight @ x + bias)",
-     jax.vmap(lambda x, w, b: w @ x + b, in_axes=(0, None, None)), (A, B, arr(4)), F16),
+     jax.vmap(lambda x, w, b: w @ x + b, in_axes=(0, None, None)), (A, B, other(4)), F16),
     # an addend varying along both operands' axes, or the batch's, is not a bias: `+`
     # promotes the matmul's float16 output to the addend's float32
     ("matmul + an attention bias over query and key positions",
      lambda q, k, bias: jnp.einsum("bqd,bkd->bqk", q, k) + bias[None],
-     (arr(2, 4, 8), arr(2, 4, 8), A), F32),
+     (other(2, 4, 8), other(2, 4, 8), A), F32),
     ("matmul + a relative position bias per head",
      lambda q, k, bias: jnp.einsum("bqhd,bkhd->bhqk", q, k) + bias,
-     (arr(2, 4, 3, 8), arr(2, 4, 3, 8), arr(1, 3, 4, 4)), F32),
+     (other(2, 4, 3, 8), other(2, 4, 3, 8), other(1, 3, 4, 4)), F32),
     ("matmul + a per-example mask", lambda q, k, mask: q @ jnp.swapaxes(k, 1, 2) + mask,
-     (arr(2, 4, 8), arr(2, 4, 8), arr(2, 1, 4)), F32),
+     (other(2, 4, 8), other(2, 4, 8), other(2, 1, 4)), F32),
 ]  # fmt: skip
 
 FLOAT32 = [
