@@ -525,3 +525,154 @@ def test_a_lora_step_that_overflows_is_skipped_bitwise_and_backs_off():
     assert poisoned != before
     assert int(scaler.skipped_steps()) == 1
     assert float(scaler.get_scale()) == 2.0**11
+
+
+# A decoder in the style of Gemma 2 and 3: grouped-query attention with RMS-normalised
+# queries and keys, rotary positions, soft-capped attention and output logits, local
+# (sliding-window) and global layers, a gated GELU feed-forward, pre- and post-norms, an
+# embedding scaled by sqrt(width) and tied to the output, and a float32 KV cache.
+HEADS, KV_HEADS, HEAD_DIM, WINDOW = 4, 1, 8, 4
+MASKED = -2.3819763e38  # Gemma's mask fill: close to float32's lowest, beyond float16's
+
+
+class ZeroCenteredRMSNorm(nnx.Module):
+    def __init__(self, width: int, rngs: nnx.Rngs):
+        self.scale = nnx.Param(jnp.zeros(width))
+
+    def __call__(self, x):
+        variance = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+        return x * jax.lax.rsqrt(variance + 1e-6) * (1 + self.scale)
+
+
+def rotary(x, positions, base=10_000.0):
+    half = x.shape[-1] // 2
+    angles = positions[..., None, None] * base ** (-jnp.arange(half) / half)
+    first, second = x[..., :half], x[..., half:]
+    return jnp.concatenate(
+        [first * jnp.cos(angles) - second * jnp.sin(angles),
+         second * jnp.cos(angles) + first * jnp.sin(angles)], axis=-1)  # fmt: skip
+
+
+def soft_cap(x, cap):
+    return jnp.tanh(x / cap) * cap
+
+
+class GroupedQueryAttention(nnx.Module):
+    def __init__(self, width: int, window: int | None, rngs: nnx.Rngs):
+        self.query = nnx.Einsum("btd,dnh->btnh", (width, HEADS, HEAD_DIM), rngs=rngs)
+        self.key = nnx.Einsum("btd,dkh->btkh", (width, KV_HEADS, HEAD_DIM), rngs=rngs)
+        self.value = nnx.Einsum("btd,dkh->btkh", (width, KV_HEADS, HEAD_DIM), rngs=rngs)
+        self.out = nnx.Einsum("btnh,nhd->btd", (HEADS, HEAD_DIM, width), rngs=rngs)
+        self.query_norm = ZeroCenteredRMSNorm(HEAD_DIM, rngs)
+        self.key_norm = ZeroCenteredRMSNorm(HEAD_DIM, rngs)
+        self.window = window
+
+    def __call__(self, x, positions, cache=None):
+        """``cache``: ``(keys, values, end)`` of earlier positions; returns it updated."""
+        q = rotary(self.query_norm(self.query(x)), positions) * HEAD_DIM**-0.5
+        k, v = rotary(self.key_norm(self.key(x)), positions), self.value(x)
+        if cache is not None:
+            keys, values, end = cache
+            keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), end, 1)
+            values = jax.lax.dynamic_update_slice_in_dim(values, v.astype(values.dtype), end, 1)
+            k, v, cache = keys, values, (keys, values, end + x.shape[1])
+        batch, length = q.shape[:2]
+        grouped = q.reshape(batch, length, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)
+        logits = soft_cap(jnp.einsum("btkgh,bskh->bkgts", grouped, k), 50.0)
+        query_at, key_at = positions[:, None, None, :, None], jnp.arange(k.shape[1])
+        visible = key_at <= query_at
+        if self.window is not None:
+            visible &= key_at > query_at - self.window
+        probs = jax.nn.softmax(jnp.where(visible, logits, MASKED), axis=-1).astype(v.dtype)
+        encoded = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+        return self.out(encoded.reshape(batch, length, HEADS, HEAD_DIM)), cache
+
+
+class GemmaStyleBlock(nnx.Module):
+    def __init__(self, width: int, window: int | None, rngs: nnx.Rngs):
+        self.attention = GroupedQueryAttention(width, window, rngs)
+        self.gate = nnx.Linear(width, 2 * width, use_bias=False, rngs=rngs)
+        self.up = nnx.Linear(width, 2 * width, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(2 * width, width, use_bias=False, rngs=rngs)
+        self.norms = nnx.List([ZeroCenteredRMSNorm(width, rngs) for _ in range(4)])
+
+    def __call__(self, x, positions, cache=None):
+        attended, cache = self.attention(self.norms[0](x), positions, cache)
+        x = x + self.norms[1](attended)
+        h = self.norms[2](x)
+        return x + self.norms[3](self.down(jax.nn.gelu(self.gate(h)) * self.up(h))), cache
+
+
+class GemmaStyleLM(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+        self.blocks = nnx.List(
+            [GemmaStyleBlock(WIDTH, WINDOW, rngs), GemmaStyleBlock(WIDTH, None, rngs)]
+        )
+        self.final_norm = ZeroCenteredRMSNorm(WIDTH, rngs)
+
+    def __call__(self, tokens, positions, caches=None):
+        x = self.embed(tokens) * jnp.sqrt(float(WIDTH))
+        new_caches = []
+        for i, block in enumerate(self.blocks):
+            x, cache = block(x, positions, None if caches is None else caches[i])
+            new_caches.append(cache)
+        logits = soft_cap(self.embed.attend(self.final_norm(x)), 30.0)
+        return logits, (None if caches is None else new_caches)
+
+
+def gemma_style_loss(model, tokens, rngs):
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
+    logits, _ = model(inputs, positions)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+COUNTING = [
+    jnp.asarray(padded_tokens(seed, 8, LENGTH + 1, VOCAB, min_length=LENGTH + 1))
+    for seed in range(20)
+]
+
+
+@functools.cache
+def _gemma_style_float32():
+    return train(GemmaStyleLM, gemma_style_loss, None, COUNTING)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_gemma_style_decoder_trains_like_float32_and_decodes_from_a_float32_cache(precision):
+    reference, _ = _gemma_style_float32()
+    losses, (model, _, scaler, _) = train(GemmaStyleLM, gemma_style_loss, precision, COUNTING)
+    assert_trains_like(reference, losses, rtol=0.01, label=np.dtype(precision).name)
+    if precision == F16:
+        assert int(scaler.skipped_steps()) == 0
+    step_jaxpr = traced_step(GemmaStyleLM, gemma_style_loss, precision, COUNTING[0])
+    assert_all_matmuls_in(precision, step_jaxpr)
+
+    # decoding token by token from a float32 cache gives what the whole sequence gives
+    tokens = COUNTING[0][:, :LENGTH]
+    batch = tokens.shape[0]
+    positions = jnp.broadcast_to(jnp.arange(LENGTH), tokens.shape)
+
+    @nnx.jit
+    def whole(model, tokens):
+        return jaxscale.autocast(model, dtype=precision)(tokens, positions)[0]
+
+    @nnx.jit
+    def one_step(model, token, position, caches):
+        return jaxscale.autocast(model, dtype=precision)(token, position, caches)
+
+    empty = jnp.zeros((batch, LENGTH, KV_HEADS, HEAD_DIM), F32)
+    caches = [(empty, empty, jnp.int32(0)) for _ in model.blocks]
+    stepped = []
+    for t in range(LENGTH):
+        logits, caches = one_step(model, tokens[:, t : t + 1], positions[:, t : t + 1], caches)
+        stepped.append(logits)
+    assert {c.dtype for cache in caches for c in cache[:2]} == {np.dtype(F32)}
+    expected = whole(model, tokens)
+    assert expected.dtype == precision  # the tied output matmul's dtype, soft-capped
+    np.testing.assert_allclose(
+        np.asarray(jnp.concatenate(stepped, axis=1), np.float32),
+        np.asarray(expected, np.float32),
+        atol=0.01 if precision == BF16 else 0.002,
+    )
