@@ -674,5 +674,6 @@ def test_a_gemma_style_decoder_trains_like_float32_and_decodes_from_a_float32_ca
     np.testing.assert_allclose(
         np.asarray(jnp.concatenate(stepped, axis=1), np.float32),
         np.asarray(expected, np.float32),
-        atol=0.01 if precision == BF16 else 0.002,
+        # a few steps of the autocast dtype: the two programs round in different places
+        **({"rtol": 2**-6, "atol": 2**-6} if precision == BF16 else {"rtol": 2**-8, "atol": 2**-8}),
     )
