@@ -27,18 +27,23 @@ BATCH, LHS, RHS, MIXED = "batch", "lhs", "rhs", "mixed"
 VARIES, CONSTANT = "varies", "constant"
 
 _SAME_AXES = {"convert_element_type", "copy", "copy_p", "reduce_precision", "name", "device_put"}
+LABELLED = {
+    "dot_general", "conv_general_dilated", "broadcast_in_dim", "transpose", "squeeze", "reshape",
+    *_SAME_AXES,
+}  # fmt: skip
+"""The primitives whose output :func:`of_output` can label: others need not be asked."""
 
 
-def of_output(eqn: Any, in_labels: list[Labels | None]) -> Labels | None:
-    """The labels of the single output of ``eqn``; ``None`` where nothing is known."""
+def of_output(eqn: Any, source: Labels | None) -> Labels | None:
+    """The labels of the single output of ``eqn``, whose first input is labelled ``source``;
+    ``None`` where nothing is known."""
     name = eqn.primitive.name
     if name == "dot_general":
         return _dot_general(eqn)
     if name == "conv_general_dilated":
         return _convolution(eqn)
     if name == "broadcast_in_dim":
-        return _broadcast(eqn, in_labels[0])
-    source = in_labels[0] if in_labels else None
+        return _broadcast(eqn, source)
     if source is None:
         return None
     if name in _SAME_AXES:

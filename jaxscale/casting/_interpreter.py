@@ -187,9 +187,9 @@ class Autocaster:
         return entry[1] if entry is not None and entry[0] is value else None
 
     def _note_axes(self, eqn: Any, invals: list[Any], outvals: list[Any]) -> None:
-        if len(outvals) != 1:
+        if len(outvals) != 1 or not invals or eqn.primitive.name not in _axes.LABELLED:
             return
-        labels = _axes.of_output(eqn, [self.axes_of(v) for v in invals])
+        labels = _axes.of_output(eqn, self.axes_of(invals[0]))
         if labels is not None:
             self._axes[id(outvals[0])] = (outvals[0], labels)
 
