@@ -26,7 +26,7 @@ Labels = tuple[str, ...]
 BATCH, LHS, RHS, MIXED = "batch", "lhs", "rhs", "mixed"
 VARIES, CONSTANT = "varies", "constant"
 
-_SAME_AXES = {"convert_element_type", "copy", "copy_p", "reduce_precision", "name", "device_put"}
+_SAME_AXES = {"convert_element_type", "copy", "reduce_precision", "name", "device_put"}
 LABELLED = {
     "dot_general", "conv_general_dilated", "broadcast_in_dim", "transpose", "squeeze", "reshape",
     *_SAME_AXES,

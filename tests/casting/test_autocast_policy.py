@@ -83,6 +83,8 @@ LOWER_PRECISION = [
      (arr(2, 3, 4), B, arr(4)), F16),
     ("linear vmapped over examples (weight @ x + bias)",
      jax.vmap(lambda x, w, b: w @ x + b, in_axes=(0, None, None)), (A, B, other(4)), F16),
+    ("linear, its bias broadcast in two steps (over positions, then the batch)",
+     lambda x, w, b: x @ w + jnp.broadcast_to(b, (4, 4)), (other(2, 4, 4), B, other(4)), F16),
     # an addend varying along both operands' axes, or the batch's, is not a bias: `+`
     # promotes the matmul's float16 output to the addend's float32
     ("matmul + an attention bias over query and key positions",
@@ -364,6 +366,21 @@ def test_every_primitive_name_jaxscale_lists_exists_in_the_running_jax(running_j
     for where, names in _decided().items():
         missing = names - running_jax_primitives - set(VERSION_SPECIFIC)
         assert missing == set(), where
+
+
+def test_every_primitive_name_the_interpreter_singles_out_exists_in_the_running_jax(
+    running_jax_primitives,
+):
+    from jaxscale.casting import _axes
+    from jaxscale.casting import _interpreter as interpreter
+
+    for where, names in {
+        "views": interpreter._VIEWS,
+        "broadcasting elementwise": interpreter._BROADCASTING_ELEMENTWISE,
+        "accumulating in float32": interpreter._ACCUMULATES_IN_FLOAT32,
+        "axis labels": _axes.LABELLED,
+    }.items():
+        assert set(names) - running_jax_primitives - set(VERSION_SPECIFIC) == set(), where
 
 
 def test_no_primitive_is_decided_twice():
