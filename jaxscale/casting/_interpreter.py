@@ -105,6 +105,10 @@ _BROADCASTING_ELEMENTWISE = {
 # CPU policy also sum, cumsum, cumprod), which PyTorch's kernels accumulate in float32,
 # rounding the result once: XLA would round every partial result.
 _ACCUMULATES_IN_FLOAT32 = {"reduce_window_sum", "reduce_sum", "cumsum", "cumprod"}
+# A window's sum divided by its size (or count) is one average-pooling kernel in PyTorch,
+# which divides the float32 sum and rounds once: a division of such a sum, or of a view
+# of it, reads the float32 sum.
+_DIVIDED_BEFORE_ROUNDING = {"reduce_window_sum"}
 
 HigherOrderRule = Callable[["Autocaster", Any, list[Any], list[Tag]], tuple[list[Any], list[Tag]]]
 HIGHER_ORDER: dict[str, HigherOrderRule] = {}
@@ -181,6 +185,9 @@ class Autocaster:
         # Where each axis of a product or a broadcast comes from (:mod:`._axes`), for the
         # values of this whole call, across nested jits: {id(value): (value, labels)}.
         self._axes: dict[int, tuple[Any, _axes.Labels]] = {}
+        # The float32 sums behind float16 window sums, for a division that follows
+        # (an average pool): {id(rounded sum): (rounded sum, float32 sum)}.
+        self._window_sums: dict[int, tuple[Any, Any]] = {}
 
     def axes_of(self, value: Any) -> _axes.Labels | None:
         entry = self._axes.get(id(value))
@@ -192,6 +199,18 @@ class Autocaster:
         labels = _axes.of_output(eqn, self.axes_of(invals[0]))
         if labels is not None:
             self._axes[id(outvals[0])] = (outvals[0], labels)
+
+    def _note_window_sum_view(self, eqn: Any, invals: list[Any], outvals: list[Any]) -> None:
+        """A view of a float16 window sum is one too: the same view of its float32 sum."""
+        wide = self._window_sum(invals[0])
+        if wide is not None and len(outvals) == 1 and outvals[0].dtype == invals[0].dtype:
+            wide_view = bind_in_context(eqn, [wide, *invals[1:]], dict(eqn.params))[0]
+            self._window_sums[id(outvals[0])] = (outvals[0], wide_view)
+
+    def _window_sum(self, value: Any) -> Any | None:
+        """The float32 sum ``value`` is the rounded form of, when it is a float16 window sum."""
+        entry = self._window_sums.get(id(value))
+        return entry[1] if entry is not None and entry[0] is value else None
 
     def cast(self, value: Any, dtype: Any, tag: Tag = Tag.NONE) -> Any:
         """``value`` in ``dtype``, reusing this jaxpr's earlier cast of the same value.
@@ -305,6 +324,8 @@ class Autocaster:
         else:
             outvals, out_tags = self.first_order(eqn, invals, in_tags)
             self._note_axes(eqn, invals, outvals)
+            if self._window_sums and name in _VIEWS:
+                self._note_window_sum_view(eqn, invals, outvals)
         return outvals, out_tags or [Tag.NONE] * len(outvals)
 
     # -- first-order equations ----------------------------------------------------------
@@ -316,6 +337,7 @@ class Autocaster:
         precision = row_for(name, self.device_type).precision
         traced = [v.aval.dtype for v in eqn.invars]
         params = dict(eqn.params)
+        window_sums = [self._window_sum(v) for v in invals] if name == "div" else None
         if precision is Precision.RECIPROCAL:
             precision = (
                 Precision.FLOAT32
@@ -360,6 +382,13 @@ class Autocaster:
         if name in _ACCUMULATES_IN_FLOAT32 and invals[0].dtype in _HALF:
             wide = bind_in_context(eqn, [cast(invals[0], jnp.float32)], params)
             outvals = [cast(v, invals[0].dtype) for v in wide]
+            if name in _DIVIDED_BEFORE_ROUNDING:
+                self._window_sums[id(outvals[0])] = (outvals[0], wide[0])
+        elif window_sums and window_sums[0] is not None and is_floating(invals[1].dtype):
+            # an average pool: the float32 sum divided, then rounded once
+            divisor = window_sums[1] if window_sums[1] is not None else invals[1]
+            wide = bind_in_context(eqn, [window_sums[0], cast(divisor, jnp.float32)], params)
+            outvals = [cast(wide[0], invals[0].dtype)]
         elif name == "broadcast_in_dim" and _sums_back_in_half(eqn, invals, in_tags, 0):
             rest = invals[1:]
             outvals = [

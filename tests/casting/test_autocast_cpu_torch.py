@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 from typing import ClassVar
 
+import equinox as eqx
 import flax.linen
+import haiku
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,12 +126,9 @@ ACCUMULATING = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("name", "policies", "ours", "theirs"), ACCUMULATING, ids=[row[0] for row in ACCUMULATING]
-)
-def test_float16_sums_are_accumulated_in_float32_bit_for_bit_as_pytorchs(
-    name, policies, ours, theirs
-):
+def _on_a_float16_conv_output(ours, theirs, policies):
+    """PyTorch's ``theirs`` and jaxscale's ``ours`` (one per policy) of the same
+    convolution's output under float16 autocast."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(4, 8, 32, 32)).astype(np.float32)
     k = (rng.normal(size=(8, 8, 3, 3)) / 4).astype(np.float32)
@@ -140,11 +139,71 @@ def test_float16_sums_are_accumulated_in_float32_bit_for_bit_as_pytorchs(
     with torch.autocast("cpu", dtype=torch.float16):
         expected = theirs(F.conv2d(torch.from_numpy(x), torch.from_numpy(k), padding=1))
     assert expected.dtype == torch.float16
-    for policy in policies:
-        with third_party.standard_promotion():
-            got = jaxscale.autocast(jax_fn, device_type=policy, dtype=jnp.float16)(x, k)
+    with third_party.standard_promotion():
+        return expected.numpy(), [
+            jaxscale.autocast(jax_fn, device_type=policy, dtype=jnp.float16)(x, k)
+            for policy in policies
+        ]
+
+
+@pytest.mark.parametrize(
+    ("name", "policies", "ours", "theirs"), ACCUMULATING, ids=[row[0] for row in ACCUMULATING]
+)
+def test_float16_sums_are_accumulated_in_float32_bit_for_bit_as_pytorchs(
+    name, policies, ours, theirs
+):
+    expected, results = _on_a_float16_conv_output(ours, theirs, policies)
+    for got in results:
         assert got.dtype == jnp.float16
-        np.testing.assert_array_equal(np.asarray(got), expected.numpy())
+        np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+def _unbatched(pool):  # an Equinox pooling layer (channels first, one example) per example
+    return lambda h: jax.vmap(pool)(h)
+
+
+def _haiku_same(h):  # Haiku's SAME pooling divides by each window's count of real elements
+    window = (1, 3, 3, 1)
+    return _nhwc(lambda g: haiku.avg_pool(g, window, (1, 1, 1, 1), "SAME"))(h)
+
+
+# (name, jax function, torch function, result dtype): average pools, one kernel in
+# PyTorch that divides the float32 sum and rounds once; in JAX a window sum, views of
+# it, then a division. Where the code divides by a count it makes in float32 (Flax
+# without padding counts; Haiku counts in the dtype it traced, float32), the quotient
+# is float32 as the code says, and holds PyTorch's value before its rounding.
+POOLS = [
+    ("flax 3x3, padded", _nhwc(lambda h: flax.linen.avg_pool(h, (3, 3), padding=((1, 1), (1, 1)))),
+     lambda h: F.avg_pool2d(h, 3, 1, 1), jnp.float16),
+    ("flax 3x3, stride 2", _nhwc(lambda h: flax.linen.avg_pool(h, (3, 3), (2, 2))),
+     lambda h: F.avg_pool2d(h, 3, 2), jnp.float16),
+    ("flax 3x3, padding not counted",
+     _nhwc(lambda h: flax.linen.avg_pool(h, (3, 3), padding=((1, 1), (1, 1)),
+                                         count_include_pad=False)),
+     lambda h: F.avg_pool2d(h, 3, 1, 1, count_include_pad=False), jnp.float32),
+    ("equinox AvgPool2d 5x5", _unbatched(eqx.nn.AvgPool2d(5, 1)), lambda h: F.avg_pool2d(h, 5, 1),
+     jnp.float16),
+    ("haiku avg_pool SAME", _haiku_same,
+     lambda h: F.avg_pool2d(h, 3, 1, 1, count_include_pad=False), jnp.float32),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "ours", "theirs", "dtype"), POOLS, ids=[row[0] for row in POOLS])
+def test_an_average_pool_divides_its_float32_sum_and_rounds_once_as_pytorchs(
+    name, ours, theirs, dtype
+):
+    expected, results = _on_a_float16_conv_output(ours, theirs, ("cpu", "cuda"))
+    for got in results:
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float16)), expected)
+
+
+def test_only_a_pools_window_sum_is_divided_before_rounding():
+    # x.sum() / n is two PyTorch ops, each rounding: the division reads the rounded sum
+    fn = jaxscale.autocast(lambda a: jnp.sum(a, axis=0) / 7, device_type="cpu", dtype=jnp.float16)
+    jaxpr = jax.make_jaxpr(fn)(np.ones((64, 256), np.float16)).jaxpr
+    (division,) = [e for e in jaxpr.eqns if e.primitive.name == "div"]
+    assert [str(v.aval.dtype) for v in division.invars] == ["float16", "float16"]
 
 
 def test_the_cuda_policy_differs_from_the_cpu_one_where_pytorchs_lists_do():

@@ -378,6 +378,7 @@ def test_every_primitive_name_the_interpreter_singles_out_exists_in_the_running_
         "views": interpreter._VIEWS,
         "broadcasting elementwise": interpreter._BROADCASTING_ELEMENTWISE,
         "accumulating in float32": interpreter._ACCUMULATES_IN_FLOAT32,
+        "divided before rounding": interpreter._DIVIDED_BEFORE_ROUNDING,
         "axis labels": _axes.LABELLED,
     }.items():
         assert set(names) - running_jax_primitives - set(VERSION_SPECIFIC) == set(), where
