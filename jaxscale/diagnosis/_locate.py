@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxscale.core._stateful_call import TracedCall
 from jaxscale.diagnosis._evaluator import NOT_IN_A_LOOP, CarryingEvaluator, Phase
@@ -29,8 +30,10 @@ from jaxscale.diagnosis._report import (
     NonfiniteReport,
     Origin,
     empty_record,
+    is_floating,
     keep_first,
     nonfinite_code,
+    nonfinite_codes,
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -64,43 +67,105 @@ def _is_floating_dtype(dtype: Any) -> bool:
         return False
 
 
+class _Deferred:
+    """What is kept about a floating value until its equation's flags are settled: the
+    value, whose non-finite code is then computed with others of its shape."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+Info = Any  # None (not floating), a known int32 code, or a _Deferred value
+
+
 class Locator(CarryingEvaluator):
     """Carries the first origin of a non-finite value (a :class:`Record`); keeps the
     table of possible origins."""
 
     def __init__(self) -> None:
         self.origins: list[Origin] = []
-        # per jaxpr being evaluated: the (born, kind) flags of its equations not yet folded
-        # into the record, each with its table entry (folded at once: fewer operations
-        # to compile than a select per equation)
-        self._pending: list[list[tuple[jax.Array, jax.Array, int]]] = []
+        # per jaxpr being evaluated: its equations not yet folded into the record, each
+        # as (its output's info, its inputs' infos, its table entry). They are folded
+        # at once, in vector operations: fewer for XLA to compile than a few scalar
+        # operations per equation.
+        self._pending: list[list[tuple[Info, list[Info], int]]] = []
+        # per jaxpr being evaluated, the codes computed so far, {id(value): (value,
+        # code)}: a value several equations read is reduced once. Per jaxpr, since a
+        # loop body's code of a value closed over belongs to the body's trace.
+        self._codes: list[dict[int, tuple[Any, jax.Array]]] = []
 
     def eval(self, *args: Any, **kwargs: Any) -> tuple[list[Any], Any]:
         self._pending.append([])
+        self._codes.append({})
         try:
             return super().eval(*args, **kwargs)
         finally:
             self._pending.pop()
+            self._codes.pop()
 
     def settle(self, carry: Any, iteration: Any) -> Any:
         pending = self._pending[-1] if self._pending else []
         if not pending:
             return carry
-        born = jnp.stack([b for b, _, _ in pending])
-        kinds = jnp.stack([k for _, k, _ in pending])
-        entries = np.asarray([e for _, _, e in pending], np.int32)
-        first = jnp.argmax(born)
+        self._compute_codes([info for out, ins, _ in pending for info in (out, *ins)])
+        # every code involved once in a vector (a last 0 pads the rows of inputs)
+        slots: dict[int, int] = {}
+        codes: list[jax.Array] = []
+
+        def slot(info: Info) -> int:
+            key = id(info.value) if isinstance(info, _Deferred) else id(info)
+            if key not in slots:
+                slots[key] = len(codes)
+                codes.append(self._code(info))
+            return slots[key]
+
+        outputs = np.asarray([slot(out) for out, _, _ in pending], np.int32)
+        inputs = [[slot(info) for info in ins] for _, ins, _ in pending]
+        table = np.full((len(pending), max(map(len, inputs), default=0) or 1), len(codes), np.int32)
+        for row, columns in enumerate(inputs):
+            table[row, : len(columns)] = columns
+        vector = jnp.concatenate([jnp.stack(codes), jnp.zeros((1,), jnp.int32)])
+        in_codes = lax.reduce(vector[table], np.int32(0), lax.bitwise_or, (1,))
+        # a NaN where no input held one, or an infinity where none held one
+        born = jnp.bitwise_and(vector[outputs], jnp.bitwise_not(in_codes))
+        first = jnp.argmax(born != 0)
+        kind = jnp.where(jnp.bitwise_and(born[first], NAN) != 0, NAN, INF)
+        entries = jnp.asarray([entry for _, _, entry in pending], jnp.int32)
         pending.clear()
-        return keep_first(
-            carry, jnp.any(born), jnp.asarray(entries)[first], iteration, kinds[first]
-        )
+        return keep_first(carry, jnp.any(born != 0), entries[first], iteration, kind)
+
+    def _compute_codes(self, infos: list[Info]) -> None:
+        needed = {}
+        for info in infos:
+            if isinstance(info, _Deferred) and self._known_code(info.value) is None:
+                needed[id(info.value)] = info.value
+        values = list(needed.values())
+        for value, code in zip(values, nonfinite_codes(values), strict=True):
+            self._codes[-1][id(value)] = (value, code)
+
+    def _known_code(self, value: Any) -> jax.Array | None:
+        entry = self._codes[-1].get(id(value))
+        return entry[1] if entry is not None and entry[0] is value else None
+
+    def _code(self, info: Info) -> jax.Array:
+        if isinstance(info, _Deferred):
+            code = self._known_code(info.value)
+            assert code is not None  # computed by _compute_codes
+            return code
+        return jnp.asarray(info, jnp.int32)
 
     def add(self, origin: Origin) -> int:
         self.origins.append(origin)
         return len(self.origins) - 1
 
-    def value_info(self, value: Any) -> Any:
-        return nonfinite_code(value)
+    def value_info(self, value: Any) -> Info:
+        if not is_floating(value):
+            return None
+        if np.ndim(value) == 0 and not isinstance(value, jax.core.Tracer):
+            return nonfinite_code(value)  # a literal: known now
+        return _Deferred(value)
 
     def output_infos(
         self, eqn: Any, invals: list[Any], in_infos: list[Any], outvals: list[Any]
@@ -121,15 +186,12 @@ class Locator(CarryingEvaluator):
         phase: Phase,
         here: Location,
     ) -> Any:
-        in_code: Any = jnp.zeros((), jnp.int32)
-        for code in in_infos:
-            in_code = jnp.bitwise_or(in_code, code)
         if preserves_nonfinite(eqn):
             return carry  # its output holds the inf and NaN of its input, no others
-        for value, code in zip(outvals, out_infos, strict=True):
-            if code is None or not _is_floating(value):
+        known_inputs = [info for info in in_infos if info is not None]
+        for value, info in zip(outvals, out_infos, strict=True):
+            if info is None:
                 continue
-            born = jnp.bitwise_and(code, jnp.bitwise_not(in_code))
             entry = self.add(
                 Origin(
                     "operation",
@@ -139,8 +201,7 @@ class Locator(CarryingEvaluator):
                     location=here,
                 )
             )
-            kind = jnp.where(jnp.bitwise_and(born, NAN) != 0, NAN, INF)
-            self._pending[-1].append((born != 0, kind, entry))
+            self._pending[-1].append((info, known_inputs, entry))
         return carry
 
 
@@ -194,7 +255,7 @@ def locate_nonfinite(fn: F) -> Callable[..., tuple[Any, NonfiniteReport]]:
         locator = Locator()
         record = empty_record()
         for path, value in zip(call.input_paths, call.inputs, strict=True):
-            if _is_floating(value):
+            if is_floating(value):
                 entry = locator.add(Origin("argument", str(value.dtype), path=path))
                 code = nonfinite_code(value)
                 kind = jnp.where(jnp.bitwise_and(code, NAN) != 0, NAN, INF)
@@ -207,11 +268,3 @@ def locate_nonfinite(fn: F) -> Callable[..., tuple[Any, NonfiniteReport]]:
         return call.finish(outs), NonfiniteReport(record, tuple(locator.origins))
 
     return located
-
-
-def _is_floating(value: Any) -> bool:
-    dtype = getattr(value, "dtype", None)
-    try:
-        return dtype is not None and bool(jnp.issubdtype(dtype, jnp.floating))
-    except TypeError:
-        return False

@@ -131,18 +131,55 @@ def nonfinite_code(value: Any) -> jax.Array:
 
     0 for values that are not floating (integers, booleans, keys).
     """
-    dtype = getattr(value, "dtype", None)
-    try:
-        floating = dtype is not None and bool(jnp.issubdtype(dtype, jnp.floating))
-    except TypeError:  # extended dtypes (keys)
-        floating = False
-    if not floating:
+    if not is_floating(value):
         return jnp.zeros((), jnp.int32)
     if np.ndim(value) == 0 and not isinstance(value, jax.core.Tracer):
         known = np.asarray(value)
         return jnp.asarray(NAN * bool(np.isnan(known)) + INF * bool(np.isinf(known)), jnp.int32)
-    # one pass: each element's bits, or-ed together
-    bits = jnp.where(
+    return nonfinite_codes([value])[0]
+
+
+# Values of one shape and dtype whose codes one reduction computes: fewer kernels for
+# XLA to compile than a reduction per value, each still small (cf. the scaler's check).
+_CODES_PER_REDUCTION = 8
+
+
+def nonfinite_codes(values: list[Any]) -> list[jax.Array]:
+    """:func:`nonfinite_code` of each of ``values`` (floating arrays), computed together:
+    the values of one shape and dtype, a few at a time, in one reduction of several
+    operands (which XLA's CPU backend also leaves whole, where it splits a reduction of
+    one operand into three kernels)."""
+    groups: dict[tuple[Any, Any], list[int]] = {}
+    for i, value in enumerate(values):
+        groups.setdefault((np.shape(value), np.dtype(value.dtype)), []).append(i)
+    codes: list[Any] = [None] * len(values)
+    for members in groups.values():
+        for start in range(0, len(members), _CODES_PER_REDUCTION):
+            chunk = members[start : start + _CODES_PER_REDUCTION]
+            # each element's bits, or-ed together per value
+            bits = tuple(_bits(values[i]) for i in chunk)
+            reduced = lax.reduce(
+                bits, (np.int8(0),) * len(bits), _bitwise_or_each, tuple(range(bits[0].ndim))
+            )
+            for i, code in zip(chunk, reduced, strict=True):
+                codes[i] = code.astype(jnp.int32)
+    return codes
+
+
+def _bitwise_or_each(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(lax.bitwise_or(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _bits(value: Any) -> jax.Array:
+    return jnp.where(
         jnp.isnan(value), np.int8(NAN), jnp.where(jnp.isinf(value), np.int8(INF), np.int8(0))
     )
-    return lax.reduce(bits, np.int8(0), lax.bitwise_or, tuple(range(bits.ndim))).astype(jnp.int32)
+
+
+def is_floating(value: Any) -> bool:
+    """Whether ``value`` has a floating dtype (not integers, booleans or keys)."""
+    dtype = getattr(value, "dtype", None)
+    try:
+        return dtype is not None and bool(jnp.issubdtype(dtype, jnp.floating))
+    except TypeError:  # extended dtypes (keys)
+        return False

@@ -87,6 +87,37 @@ def float16_activation(w, x):
     return jnp.sum(h)
 
 
+def overflow_then_nan(x):
+    # sixteen values of one shape, checked together: the first origin is still the first
+    for _ in range(5):
+        x = jnp.tanh(x) + 1.0
+    x = jnp.exp(x * 200.0)  # <- origin
+    for _ in range(5):
+        x = jnp.sin(x) * 2.0  # sin(inf) is a NaN born later
+    return jnp.sum(x)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_values_checked_together_report_the_first_origin_in_order(jit):
+    _, report = located(overflow_then_nan, X, jit=jit)
+    expect(report, "forward", "exp", line_of(overflow_then_nan), "inf", "float32")
+
+
+def _reductions_in_program(length):
+    def chain(x):
+        for _ in range(length):
+            x = jnp.tanh(x * 1.5 + 0.1)
+        return x
+
+    return jax.jit(jaxscale.locate_nonfinite(chain)).lower(X).as_text().count("stablehlo.reduce")
+
+
+def test_values_of_one_shape_are_reduced_eight_at_a_time():
+    # 24 more iterations are 72 more checked values of one shape (the product, the sum,
+    # the tanh): 9 reductions more, not 72 (what XLA compiles)
+    assert _reductions_in_program(48) - _reductions_in_program(24) == 72 // 8
+
+
 def test_a_float16_activation_over_65504_under_autocast():
     _, report = located(jaxscale.autocast(float16_activation), W * 3e4, X)
     expect(report, "forward", "dot_general", line_of(float16_activation), "inf", "float16")
