@@ -39,6 +39,7 @@ def test_every_example_is_covered():
     assert scripts == covered
 
 
+@pytest.mark.slow
 def test_flagship_trains_and_writes_a_plot(tmp_path, capsys):
     plot = tmp_path / "training.png"
     summary = run("train_char_lm", ["--steps", "30", "--plot", str(plot), "--sample", "20"])
@@ -56,6 +57,7 @@ def test_flagship_trains_and_writes_a_plot(tmp_path, capsys):
     assert f"| skipped steps | {int(summary['skipped_steps'])} |" in table
 
 
+@pytest.mark.slow
 def test_flagship_flags(tmp_path):
     summary = run(
         "train_char_lm",
@@ -116,6 +118,7 @@ def test_linen_train_state():
     assert 0.0 < result["accuracy"] < 1.0
 
 
+@pytest.mark.slow
 def test_clip_gradients():
     results = run("clip_gradients", ["--steps", "10"])
     assert len(results) == 2
