@@ -31,6 +31,7 @@ from jaxscale.diagnosis._report import (
     Origin,
     empty_record,
     is_floating,
+    is_floating_dtype,
     keep_first,
     nonfinite_code,
     nonfinite_codes,
@@ -53,18 +54,11 @@ def preserves_nonfinite(eqn: Any) -> bool:
     if name == "convert_element_type":
         source, target = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
         return bool(
-            _is_floating_dtype(source)
-            and _is_floating_dtype(target)
+            is_floating_dtype(source)
+            and is_floating_dtype(target)
             and jnp.finfo(target).max >= jnp.finfo(source).max
         )
     return name in _PRESERVING and len(eqn.invars) == 1 and len(eqn.outvars) == 1
-
-
-def _is_floating_dtype(dtype: Any) -> bool:
-    try:
-        return bool(jnp.issubdtype(dtype, jnp.floating))
-    except TypeError:
-        return False
 
 
 class _Deferred:
@@ -254,12 +248,16 @@ def locate_nonfinite(fn: F) -> Callable[..., tuple[Any, NonfiniteReport]]:
         call = TracedCall(fn, args, kwargs)
         locator = Locator()
         record = empty_record()
-        for path, value in zip(call.input_paths, call.inputs, strict=True):
-            if is_floating(value):
-                entry = locator.add(Origin("argument", str(value.dtype), path=path))
-                code = nonfinite_code(value)
-                kind = jnp.where(jnp.bitwise_and(code, NAN) != 0, NAN, INF)
-                record = keep_first(record, code != 0, entry, NOT_IN_A_LOOP, kind)
+        floating = [
+            (path, value)
+            for path, value in zip(call.input_paths, call.inputs, strict=True)
+            if is_floating(value)
+        ]
+        codes = nonfinite_codes([value for _, value in floating])  # checked together
+        for (path, value), code in zip(floating, codes, strict=True):
+            entry = locator.add(Origin("argument", str(value.dtype), path=path))
+            kind = jnp.where(jnp.bitwise_and(code, NAN) != 0, NAN, INF)
+            record = keep_first(record, code != 0, entry, NOT_IN_A_LOOP, kind)
         closed = call.closed
         outs, record = locator.eval(
             closed.jaxpr, closed.consts, call.inputs, record, NOT_IN_A_LOOP,

@@ -179,7 +179,11 @@ def _bits(value: Any) -> jax.Array:
 def is_floating(value: Any) -> bool:
     """Whether ``value`` has a floating dtype (not integers, booleans or keys)."""
     dtype = getattr(value, "dtype", None)
+    return dtype is not None and is_floating_dtype(dtype)
+
+
+def is_floating_dtype(dtype: Any) -> bool:
     try:
-        return dtype is not None and bool(jnp.issubdtype(dtype, jnp.floating))
+        return bool(jnp.issubdtype(dtype, jnp.floating))
     except TypeError:  # extended dtypes (keys)
         return False
