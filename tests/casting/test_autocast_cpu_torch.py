@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from jax import lax
 from support import third_party
 from support.torch_transformer import small_twins
 
@@ -200,7 +201,11 @@ def test_an_average_pool_divides_its_float32_sum_and_rounds_once_as_pytorchs(
 
 def test_only_a_pools_window_sum_is_divided_before_rounding():
     # x.sum() / n is two PyTorch ops, each rounding: the division reads the rounded sum
-    fn = jaxscale.autocast(lambda a: jnp.sum(a, axis=0) / 7, device_type="cpu", dtype=jnp.float16)
+    # (the sum as lax writes it, a reduce_sum in the traced function itself, as a pool's is)
+    def mean(a):
+        return lax.reduce(a, np.float16(0), lax.add, (0,)) / 7
+
+    fn = jaxscale.autocast(mean, device_type="cpu", dtype=jnp.float16)
     jaxpr = jax.make_jaxpr(fn)(np.ones((64, 256), np.float16)).jaxpr
     (division,) = [e for e in jaxpr.eqns if e.primitive.name == "div"]
     assert [str(v.aval.dtype) for v in division.invars] == ["float16", "float16"]
