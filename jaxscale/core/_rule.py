@@ -63,11 +63,17 @@ class ScaleUpdateRule:
         tracker = jnp.asarray(state.growth_tracker, jnp.int32)
         streak = jnp.asarray(state.overflow_streak, jnp.int32)
 
-        # The streak holds the overflows tolerated so far (at most hysteresis - 1), so
-        # streak + 1 cannot overflow and stays 0 under PyTorch's rule (hysteresis=1).
-        overflows = streak + 1
-        backs_off = found_inf & (overflows >= self.hysteresis)
-        new_streak = jnp.where(found_inf, jnp.minimum(overflows, self.hysteresis - 1), 0)
+        if self.hysteresis == 1:
+            # PyTorch's rule: every overflow backs off, and the streak stays 0. Written
+            # as a constant, it costs the compiled step no kernel of its own.
+            backs_off = found_inf
+            new_streak = jnp.zeros((), jnp.int32)
+        else:
+            # The streak holds the overflows tolerated so far (at most hysteresis - 1),
+            # so streak + 1 cannot overflow.
+            overflows = streak + 1
+            backs_off = found_inf & (overflows >= self.hysteresis)
+            new_streak = jnp.where(found_inf, jnp.minimum(overflows, self.hysteresis - 1), 0)
         backed_off, grown = self._backed_off_and_grown(scale, found_inf)
         if self.min_scale is not None:
             backed_off = jnp.maximum(backed_off, jnp.float32(self.min_scale))

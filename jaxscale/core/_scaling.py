@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxscale.core import _leaves
@@ -29,6 +30,18 @@ _SMALL_LEAF = 1 << 14
 # Above it the folded check reads faster: a reduction runs on one core, the fold on all.
 _GROUPED_BELOW = 1 << 17
 _CHECKED_TOGETHER = 8
+# The leaves of one reduction are combined elementwise into this many operands.
+_OPERANDS = 2
+# The bits of a float with its sign cleared, read as an integer, grow with its
+# magnitude, and reach this value at +inf (NaNs lie above): a leaf is finite
+# exactly when the largest such integer in it is below. Per dtype: the integer
+# type of that width, and the bits of +inf.
+_INF_BITS = {
+    jnp.dtype(jnp.float16): (jnp.int16, 0x7C00),
+    jnp.dtype(jnp.bfloat16): (jnp.int16, 0x7F80),
+    jnp.dtype(jnp.float32): (jnp.int32, 0x7F800000),
+    jnp.dtype(jnp.float64): (jnp.int64, 0x7FF0000000000000),
+}
 # Neighbouring elements and-ed by the CPU check (at most). XLA's CPU fusion
 # emits a producer at most 15 times within one fusion; eight leave room for a
 # gradient whose own computation reads a value twice.
@@ -195,18 +208,19 @@ def _cpu_all_finite_grouped(*leaves: jax.Array) -> jax.Array:
     XLA's CPU backend splits each reduction into two ``reduce-window`` stages and a
     final reduction, three kernels per leaf to compile; a reduction of several
     operands at once (a variadic ``reduce``) is left whole. So leaves sharing a shape
-    and dtype (a model's layers, its biases) are and-reduced together, a few at a
-    time, in one kernel that also reads faster than one per leaf. Large leaves keep
-    :func:`_folded_check`, which spreads its pass over every core. Only with a single
-    CPU device: operands of one reduction must share a sharding, and two leaves of one
-    shape sharded differently would be gathered.
+    and dtype (a model's layers, its biases) are checked together, eight at a time,
+    in one kernel that also reads faster than one per leaf
+    (:func:`_magnitudes_checked_together`). Large leaves keep :func:`_folded_check`, which
+    spreads its pass over every core. Only with a single CPU device: operands of
+    one reduction must share a sharding, and two leaves of one shape sharded
+    differently would be gathered.
 
-    The reductions form a binary tree: each and-s the flags of two others into
-    the elements it reduces, so the root's few flags hold the verdict of every
-    leaf, and reductions of different branches run in parallel. A final "and" of
-    one flag per leaf would be one fusion with a parameter per leaf, whose compile
-    time XLA's CPU backend grows faster than the number of leaves (1.8 s at 1,000
-    leaves, where the whole check compiles in 0.6 s as a tree). The flags go in as
+    The reductions form a binary tree: each takes the verdicts of two others into
+    the elements it reduces, so the root's verdict is that of every leaf, and
+    reductions of different branches run in parallel. A final "and" of one flag per
+    leaf would be one fusion with a parameter per leaf, whose compile time XLA's
+    CPU backend grows faster than the number of leaves (1.8 s at 1,000 leaves,
+    where the whole check compiles in 0.6 s as a tree). The verdicts go in as
     data, not as the reductions' init values: XLA takes an init value to be the
     identity of the reduction, and drops it where it rewrites a reduction into
     something else.
@@ -216,35 +230,36 @@ def _cpu_all_finite_grouped(*leaves: jax.Array) -> jax.Array:
     for leaf in leaves:
         if leaf.size >= _GROUPED_BELOW:
             nodes.append([leaf])
-        elif leaf.size:  # an empty leaf is finite, and could carry no flag
+        elif leaf.size:  # an empty leaf is finite, and could carry no verdict
             same_kind[(leaf.shape, leaf.dtype)].append(leaf)
     nodes += [
         group[start : start + _CHECKED_TOGETHER]
         for group in same_kind.values()
         for start in range(0, len(group), _CHECKED_TOGETHER)
     ]
-    # Node k reads the flags of nodes 2k + 1 and 2k + 2 (a binary heap); sorted by
-    # size, no node has more flags to pass on than its parent has leaves to take them.
-    nodes.sort(key=len, reverse=True)
-    flags: list[list[jax.Array]] = [[] for _ in nodes]
+    # Node k takes the verdicts of nodes 2k + 1 and 2k + 2 (a binary heap).
+    verdicts: list[list[jax.Array]] = [[] for _ in nodes]
     for k in reversed(range(len(nodes))):
-        children = [flags[c] for c in (2 * k + 1, 2 * k + 2) if c < len(nodes)]
-        carried = [functools.reduce(operator.and_, column) for column in _columns(children)]
-        flags[k] = _checked_node(nodes[k], carried)
-    return jnp.stack([jnp.asarray(True), *(flags[0] if nodes else [])]).all()
+        children = [c for c in (2 * k + 1, 2 * k + 2) if c < len(nodes)]
+        carried = [flag for child in children for flag in verdicts[child]]
+        verdicts[k] = _checked_node(nodes[k], carried)
+    return jnp.stack([jnp.asarray(True), *(verdicts[0] if nodes else [])]).all()
 
 
-def _columns(lists: list[list[jax.Array]]) -> list[list[jax.Array]]:
-    """``[[a[0], b[0]], [a[1], b[1]], [a[2]], ...]`` of ``[a, b]``: the i-th of each list."""
-    width = max(map(len, lists), default=0)
-    return [[flags[i] for flags in lists if i < len(flags)] for i in range(width)]
+def _in_slots(flags: list[jax.Array], slots: int) -> list[jax.Array]:
+    """``flags`` and-ed into at most ``slots`` flags, the i-th into slot ``i % slots``."""
+    return [functools.reduce(operator.and_, flags[i::slots]) for i in range(min(slots, len(flags)))]
 
 
 def _checked_node(leaves: list[jax.Array], carried: list[jax.Array]) -> list[jax.Array]:
-    """The flag of each of ``leaves`` (one reduction), and-ed with ``carried``'s, one each."""
+    """The verdicts of one reduction over ``leaves``: each true when its share of the
+    leaves is finite and its share of ``carried`` true; all of them true together
+    exactly when every leaf is finite and every carried verdict true."""
     if len(leaves) == 1 and leaves[0].size >= _GROUPED_BELOW:
-        return [_cpu_leaf_check(leaves[0], carried[0] if carried else None)]
-    return _checked_together(leaves, carried)
+        return [_cpu_leaf_check(leaves[0], *_in_slots(carried, 1))]
+    if leaves[0].dtype in _INF_BITS:
+        return _magnitudes_checked_together(leaves, carried)
+    return _checked_together(leaves, _in_slots(carried, len(leaves)))
 
 
 def _cpu_all_finite_by_leaf(*leaves: jax.Array) -> jax.Array:
@@ -271,8 +286,44 @@ def _one_cpu_device() -> bool:
         return False
 
 
+def _magnitudes_checked_together(
+    leaves: list[jax.Array], carried: list[jax.Array]
+) -> list[jax.Array]:
+    """The verdicts of ``leaves`` (one shape, a dtype of ``_INF_BITS``) and ``carried``,
+    from one variadic reduction of ``_OPERANDS`` operands.
+
+    Each operand is the elementwise maximum of the magnitude bits (the float's bits
+    with its sign cleared, as an integer) of a share of the leaves, and of
+    ``carried`` verdicts, a false one as the bits of +inf; its verdict is whether its
+    largest element lies below +inf's bits. Integer maxima are what XLA's CPU
+    backend vectorises best: against one boolean operand per leaf, this compiles in
+    15-30% less time and reads as fast or faster. The leaves are not empty.
+    """
+    bits_type, inf_bits = _INF_BITS[leaves[0].dtype]
+    sign_cleared = np.array(np.iinfo(bits_type).max, bits_type)
+    operands: list[Any] = [None] * min(_OPERANDS, len(leaves))
+    for i, leaf in enumerate(leaves):
+        magnitude = lax.bitcast_convert_type(leaf, bits_type) & sign_cleared
+        j = i % len(operands)
+        operands[j] = magnitude if operands[j] is None else lax.max(operands[j], magnitude)
+    finite, infinite = np.array(0, bits_type), np.array(inf_bits, bits_type)
+    for i, flag in enumerate(carried):
+        j = i % len(operands)
+        operands[j] = jnp.maximum(operands[j], lax.select(flag, finite, infinite))
+
+    def larger(left: tuple[jax.Array, ...], right: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        return tuple(lax.max(a, b) for a, b in zip(left, right, strict=True))
+
+    # 0 is the maximum's identity on magnitudes, which are never negative.
+    starts = (finite,) * len(operands)
+    largest = lax.reduce(tuple(operands), starts, larger, tuple(range(leaves[0].ndim)))
+    return [value < infinite for value in largest]
+
+
 def _checked_together(leaves: list[jax.Array], carried: list[jax.Array]) -> list[jax.Array]:
-    """One boolean per leaf of ``leaves`` (one shape), from one variadic reduction.
+    """One boolean per leaf of ``leaves`` (one shape), from one variadic reduction: the
+    check of a dtype with no entry in ``_INF_BITS`` (the float8 formats: several
+    have no infinity, and some write NaN as the bits of negative zero).
 
     ``carried`` holds at most one flag per leaf, and-ed into that leaf's flags, so
     each returned flag is also the "and" of the one carried in. The leaves are not

@@ -244,13 +244,68 @@ def test_leaves_checked_together_are_each_checked(one_cpu_device, count, bad):
 def test_leaves_of_one_shape_are_reduced_together_without_reduce_windows(one_cpu_device):
     # XLA's CPU backend splits a reduction of one operand into two reduce-window
     # kernels and a reduce (three kernels to compile per leaf); a reduction of
-    # several operands is left whole. 16 leaves of one shape: two reductions of 8.
+    # several operands is left whole. 16 leaves of one shape: two reductions of 8
+    # leaves, each of two operands holding the integer maxima of four.
     cpu = machine.cpu_device()  # the CPU's program, whatever the default backend
     tree = {f"layer{i:02d}": jax.device_put(jnp.ones((64, 33)), cpu) for i in range(16)}
     text = jax.jit(all_finite).lower(tree).compile().as_text()
     assert text.count("reduce-window(") == 0
-    variadic = re.findall(r"= \((?:pred\[\], (?:/\*index=5\*/)?){7}pred\[\]\) reduce\(", text)
-    assert len(variadic) == 2
+    assert re.findall(r"= (\([^)]*\)) reduce\(", text) == ["(s32[], s32[])"] * 2
+
+
+# Per dtype: the largest finite value, the smallest subnormal and -0.0 (finite),
+# and +inf, -inf and a NaN with a payload (not), in the grouped CPU check.
+_EDGES = {
+    jnp.float16: ([65504.0, -65504.0, 2.0**-24, -0.0], ["inf", "-inf", 0x7E01]),
+    jnp.bfloat16: ([3.3895314e38, -3.3895314e38, 2.0**-133, -0.0], ["inf", "-inf", 0x7FC1]),
+    jnp.float32: ([3.4028235e38, -3.4028235e38, 2.0**-149, -0.0], ["inf", "-inf", 0x7FC00001]),
+}
+
+
+def _nonfinite(dtype, value):
+    if isinstance(value, str):
+        return jnp.asarray(float(value), dtype)
+    bits = jnp.int16 if jnp.dtype(dtype).itemsize == 2 else jnp.int32
+    return jax.lax.bitcast_convert_type(jnp.asarray(value, bits), dtype)
+
+
+@pytest.mark.parametrize("dtype", list(_EDGES), ids=lambda d: jnp.dtype(d).name)
+def test_grouped_check_reads_each_dtype_at_its_edges(one_cpu_device, dtype):
+    # The grouped check compares each value's magnitude bits with those of +inf:
+    # the largest finite value is just below, every NaN above.
+    finite, nonfinite = _EDGES[dtype]
+    tree = {f"w{i}": jnp.ones((3, 5), dtype) for i in range(11)}
+    check = jax.jit(all_finite)
+    for value in finite:
+        assert bool(check({**tree, "w3": tree["w3"].at[1, 2].set(value)})), value
+    for value in nonfinite:
+        for name in ("w0", "w7", "w10"):
+            poisoned = {**tree, name: tree[name].at[2, 4].set(_nonfinite(dtype, value))}
+            assert not bool(check(poisoned)), (value, name)
+
+
+def test_grouped_check_of_float64_leaves(one_cpu_device):
+    with jax.enable_x64(True):
+        tree = {f"w{i}": jnp.ones(7, jnp.float64) for i in range(9)}
+        check = jax.jit(all_finite)
+        assert bool(check({**tree, "w4": tree["w4"].at[6].set(np.finfo(np.float64).max)}))
+        assert bool(check({**tree, "w4": tree["w4"].at[6].set(5e-324)}))
+        for bad in (np.inf, -np.inf, np.nan):
+            assert not bool(check({**tree, "w8": tree["w8"].at[0].set(bad)})), bad
+
+
+def test_grouped_check_of_float8_leaves_that_write_nan_as_negative_zero(one_cpu_device):
+    # float8_e4m3fnuz has no -0.0: its bits are NaN, of magnitude zero. Such
+    # formats are checked by their isfinite flags, in a tree with float32 leaves.
+    dtype = jnp.float8_e4m3fnuz
+    tree = {f"f8_{i}": jnp.ones((2, 3), dtype) for i in range(10)}
+    tree |= {f"w{i}": jnp.ones(4, jnp.float32) for i in range(3)}
+    check = jax.jit(all_finite)
+    assert bool(check(tree))
+    nan = jax.lax.bitcast_convert_type(jnp.uint8(0x80), dtype)
+    for name in ("f8_0", "f8_9"):
+        assert not bool(check({**tree, name: tree[name].at[1, 1].set(nan)})), name
+    assert not bool(check({**tree, "w2": tree["w2"].at[3].set(np.inf)}))
 
 
 def _chunky_tree() -> dict:
@@ -273,9 +328,9 @@ def _chunky_tree() -> dict:
 
 @pytest.mark.parametrize("bad", [np.inf, np.nan])
 def test_every_leaf_checked_in_a_tree_of_reductions_reaches_the_verdict(one_cpu_device, bad):
-    # Each reduction and-s the flags of two others into what it reduces, the
-    # reductions sorted by size (one leaf to eight); a leaf whose flag were dropped
-    # on the way to the root would go unchecked.
+    # Each reduction takes the verdicts of two others into what it reduces
+    # (reductions of one leaf to eight); a leaf whose verdict were dropped on the
+    # way to the root would go unchecked.
     tree = _chunky_tree()
     check = jax.jit(all_finite)
     assert bool(check(tree))
@@ -302,11 +357,11 @@ def test_the_checks_of_many_leaves_meet_in_a_tree_not_in_one_fusion(one_cpu_devi
     # One flag per leaf and-ed at the end would be one fusion with a parameter per
     # leaf, which XLA's CPU backend compiles in time growing faster than the number of
     # leaves (1.8 s at 1,000). In a tree of reductions no operation reads more than
-    # 24 values (eight leaves, two flags for each), whatever the number of leaves.
+    # 12 values (eight leaves and four verdicts), whatever the number of leaves.
     tree = {f"layer{i:03d}": jnp.ones((16, 16)) for i in range(200)}
     tree |= {f"bias{i:03d}": jnp.ones((16,)) for i in range(50)}
     tree |= {f"large{i}": jnp.ones(2**17) for i in range(20)}
-    assert _widest_operation(tree) <= 24
+    assert _widest_operation(tree) <= 12
 
 
 def test_a_single_device_process_groups_its_checks():

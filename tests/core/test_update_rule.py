@@ -138,6 +138,18 @@ def test_hysteresis_one_is_pytorch_and_keeps_the_streak_at_zero():
     assert streaks.tolist() == [0, 0, 0, 0]
 
 
+@pytest.mark.parametrize(("hysteresis", "kernels"), [(1, 3), (2, 4)])
+def test_pytorch_hysteresis_compiles_no_kernel_for_the_streak(hysteresis, kernels):
+    # The scale's update is compiled into every train step, and each scalar kernel
+    # costs XLA's CPU backend milliseconds to compile. Under PyTorch's rule the
+    # streak is always 0, written as a constant; a hysteresis of 2 updates it.
+    rule = jaxscale.core.ScaleUpdateRule(hysteresis=hysteresis)
+    state = init_scaler_state()
+    text = jax.jit(rule.apply).lower(state, jnp.bool_(True)).compile().as_text()
+    entry = text[text.index("ENTRY") :]
+    assert entry.count(" fusion(") == kernels
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
