@@ -61,7 +61,6 @@ class ScaleUpdateRule:
             return counted
         scale = jnp.asarray(state.scale, jnp.float32)
         tracker = jnp.asarray(state.growth_tracker, jnp.int32)
-        streak = jnp.asarray(state.overflow_streak, jnp.int32)
 
         if self.hysteresis == 1:
             # PyTorch's rule: every overflow backs off, and the streak stays 0. Written
@@ -71,7 +70,7 @@ class ScaleUpdateRule:
         else:
             # The streak holds the overflows tolerated so far (at most hysteresis - 1),
             # so streak + 1 cannot overflow.
-            overflows = streak + 1
+            overflows = jnp.asarray(state.overflow_streak, jnp.int32) + 1
             backs_off = found_inf & (overflows >= self.hysteresis)
             new_streak = jnp.where(found_inf, jnp.minimum(overflows, self.hysteresis - 1), 0)
         backed_off, grown = self._backed_off_and_grown(scale, found_inf)
