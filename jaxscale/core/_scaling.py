@@ -101,17 +101,24 @@ def inverse_scale(scale: jax.Array) -> jax.Array:
 def correctly_rounded_reciprocal(x: jax.Array) -> jax.Array:
     """``1 / x`` for float32 ``x``, rounded to nearest even, in integer arithmetic.
 
-    For a normal ``x = m * 2**(e - 150)`` (``m`` its 24-bit significand, ``e`` its
-    biased exponent) the reciprocal's significand is ``2**47 / m``, computed by
-    long division in uint32 (24 quotient bits, the remainder deciding the
-    rounding). Where the result would not be a normal float32 (``x`` zero,
-    subnormal, infinite, NaN or above ``2**125``) the float division is used;
-    those scales give subnormal or non-finite reciprocals, which a GPU flushes or
-    handles as PyTorch's does.
+    For ``x = m * 2**(e - 150)`` (``m`` its 24-bit significand, normalised first
+    where ``x`` is subnormal, ``e`` its biased exponent) the reciprocal's
+    significand is ``2**47 / m``, computed by long division in uint32 (24
+    quotient bits, the remainder deciding the rounding). A result below float32's
+    normal range is rounded once, where its subnormal encoding drops bits, and one
+    above it is ``inf``: for every finite non-zero ``x`` the result is PyTorch's
+    ``x.double().reciprocal().float()``, whatever the platform does with
+    subnormals; ``1/±0`` is ``±inf``, ``1/±inf`` is ``±0`` and a NaN stays NaN.
     """
     bits = lax.bitcast_convert_type(x, jnp.uint32)
-    exponent = (bits >> 23) & 0xFF
-    significand = (bits & 0x7FFFFF) | 0x800000
+    sign = bits & jnp.uint32(0x80000000)
+    biased = ((bits >> 23) & 0xFF).astype(jnp.int32)
+    fraction = bits & 0x7FFFFF
+    # a subnormal x: shift its fraction up to a 24-bit significand, lowering its exponent
+    shift = jnp.where(biased == 0, lax.clz(fraction).astype(jnp.int32) - 8, 0)
+    significand = jnp.where(biased == 0, fraction << shift.astype(jnp.uint32), fraction | 0x800000)
+    exponent = jnp.where(biased == 0, 1 - shift, biased)
+    power_of_two = significand == 0x800000
     remainder = jnp.full_like(bits, 1 << 23)
     quotient = jnp.zeros_like(bits)
     for _ in range(24):
@@ -119,17 +126,42 @@ def correctly_rounded_reciprocal(x: jax.Array) -> jax.Array:
         fits = remainder >= significand
         remainder = jnp.where(fits, remainder - significand, remainder)
         quotient = (quotient << 1) | fits.astype(jnp.uint32)
-    # round to nearest, ties to even: compare twice the remainder with the divisor
+    # 1/x = (quotient + remainder/significand) * 2**(result_exponent - 150), quotient
+    # in [2**23, 2**24); a power of two's reciprocal is exact: 2**23 with no remainder
+    quotient = jnp.where(power_of_two, jnp.uint32(1 << 23), quotient)
+    remainder = jnp.where(power_of_two, jnp.uint32(0), remainder)
+    result_exponent = jnp.where(power_of_two, 254, 253) - exponent
+    # Bits dropped below the result's last place: none for a normal result, 1 - exponent
+    # for a subnormal one (1 or 2: x is at most 2**128)
+    dropped = jnp.maximum(1 - result_exponent, 0).astype(jnp.uint32)
+    kept = quotient >> dropped
+    lost = quotient & ((jnp.uint32(1) << dropped) - 1)
+    half = jnp.uint32(1) << (jnp.maximum(dropped, 1) - 1)
+    # Round to nearest, ties to even. The remainder (twice it against the divisor) is
+    # the first bit dropped for a normal result, below the dropped bits otherwise.
     twice = remainder << 1
-    up = (twice > significand) | ((twice == significand) & ((quotient & 1) == 1))
-    quotient = quotient + up.astype(jnp.uint32)
-    carried = quotient >> 24  # rounding up 0xFFFFFF gives 2**24: one exponent higher
-    result_exponent = jnp.uint32(253) - exponent + carried
-    result = (result_exponent << 23) | ((quotient >> carried) & 0x7FFFFF)
-    power_of_two = (bits & 0x7FFFFF) == 0
-    result = jnp.where(power_of_two, (jnp.uint32(254) - exponent) << 23, result)
-    exact = (exponent >= 1) & ((exponent <= 252) | (power_of_two & (exponent == 253)))
-    return jnp.where(exact, lax.bitcast_convert_type(result, jnp.float32), 1.0 / x)
+    inexact = remainder != 0
+    above_half = jnp.where(
+        dropped == 0, twice > significand, (lost > half) | ((lost == half) & inexact)
+    )
+    at_half = jnp.where(dropped == 0, twice == significand, (lost == half) & ~inexact)
+    up = above_half | (at_half & ((kept & 1) == 1))
+    kept = kept + up.astype(jnp.uint32)
+    # Normal: a rounding carry out of 24 bits is one exponent higher. Subnormal: the
+    # encoding is the kept bits, a carry into bit 23 being the smallest normal's.
+    carried = kept >> 24
+    normal = (jnp.maximum(result_exponent, 1).astype(jnp.uint32) + carried) << 23
+    normal = normal | ((kept >> carried) & 0x7FFFFF)
+    result = jnp.where(result_exponent >= 1, normal, kept)
+    result = jnp.where(
+        result_exponent + carried.astype(jnp.int32) >= 255, jnp.uint32(0x7F800000), result
+    )
+    # zero, inf and NaN, also in integers: a float division there would let XLA compare
+    # x with zero as a float, which a CPU that treats subnormals as zero gets wrong
+    zero = (biased == 0) & (fraction == 0)
+    result = jnp.where(zero, jnp.uint32(0x7F800000), result)
+    result = jnp.where(biased == 255, jnp.where(fraction == 0, 0, fraction | 0x7FC00000), result)
+    return lax.bitcast_convert_type(result | sign, jnp.float32)
 
 
 def unscale(tree: Any, inv_scale: jax.Array) -> Any:

@@ -134,24 +134,48 @@ def test_the_gpu_reciprocal_equals_pytorch_double_reciprocal():
     assert correctly_rounded_reciprocal(jnp.float32(3.0)) == torch_reference.inverse_scale(3.0)
 
 
-def test_the_gpu_reciprocal_falls_back_to_division_where_the_result_is_not_normal():
-    scales = jnp.asarray([0.0, np.inf, 3e38, 1e-45], jnp.float32)
-    got = np.asarray(correctly_rounded_reciprocal(scales))
-    np.testing.assert_array_equal(got, np.asarray(1.0 / scales))
+def _pytorch_reciprocal_bits(scales: np.ndarray) -> np.ndarray:
+    return torch_reference.inverse_scale(scales).view(np.uint32)
 
 
-def test_the_gpu_reciprocal_of_a_scale_between_2_126_and_2_127_is_the_divisions():
-    # 1/scale is subnormal there: the long division's exponent would underflow, so the
-    # platform's own division decides (0 where it flushes subnormals, the exact value
-    # where it keeps them); never the long division's pattern, which is half of it
+def test_the_gpu_reciprocal_rounds_a_subnormal_result_once_as_pytorch():
+    # Scales from 2**126 up have subnormal reciprocals. A GPU's float32 division is
+    # off by an ulp there too, and may flush them; PyTorch's double reciprocal keeps
+    # and rounds them. Every bit pattern of the binades above 2**126 that rounds up,
+    # down or to even, and each binade's edges.
     rng = np.random.default_rng(2)
-    binade = rng.integers(0x7E800001, 0x7F000000, 2_000, dtype=np.uint32).view(np.float32)
-    scales = jnp.asarray(np.concatenate([binade, np.float32([1.5 * 2.0**126])]))
-    got = np.asarray(jax.jit(correctly_rounded_reciprocal)(scales)).view(np.uint32)
-    division = np.asarray(jax.jit(lambda s: 1.0 / s)(scales)).view(np.uint32)
-    np.testing.assert_array_equal(got, division)
-    exact = (1.0 / np.asarray(scales, np.float64)).astype(np.float32).view(np.uint32)
-    assert np.all((got == 0) | (got == exact))
+    patterns = np.concatenate([
+        rng.integers(0x7E800000, 0x7F800000, 200_000, dtype=np.uint32),
+        np.uint32([0x7E800000, 0x7E800001, 0x7EFFFFFF, 0x7F000000, 0x7F000001, 0x7F7FFFFF]),
+    ])  # fmt: skip
+    scales = patterns.view(np.float32)
+    got = np.asarray(jax.jit(correctly_rounded_reciprocal)(jnp.asarray(scales)))
+    np.testing.assert_array_equal(got.view(np.uint32), _pytorch_reciprocal_bits(scales))
+    # 1/(1.5 * 2**126) lies between two subnormals; 1/2**127 is one exactly
+    assert got[-2] == np.float32(2.0**-127)
+    bits = np.asarray(correctly_rounded_reciprocal(jnp.float32(1.5 * 2.0**126))).view(np.uint32)
+    assert 0 < bits < 0x800000  # subnormal (compared as bits: XLA's CPU flushes them)
+
+
+def test_the_gpu_reciprocal_of_a_subnormal_scale_is_pytorchs():
+    # A scale halved ~150 times from 65536 is subnormal: its reciprocal is a large normal
+    # float (rounded like any other) or, below 2**-128, inf.
+    patterns = np.concatenate([
+        np.arange(1, 1 << 16, dtype=np.uint32),
+        np.random.default_rng(3).integers(1, 0x800000, 100_000, dtype=np.uint32),
+        np.uint32([0x200000, 0x3FFFFF, 0x400000, 0x400001, 0x7FFFFF]),
+    ])  # fmt: skip
+    scales = patterns.view(np.float32)
+    got = np.asarray(jax.jit(correctly_rounded_reciprocal)(jnp.asarray(scales)))
+    np.testing.assert_array_equal(got.view(np.uint32), _pytorch_reciprocal_bits(scales))
+    assert np.isinf(got[:1000]).all()
+    assert np.isfinite(got[-1])
+
+
+def test_the_gpu_reciprocal_of_zero_inf_and_nan():
+    scales = np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, -2.0, -1.5 * 2.0**126])
+    got = np.asarray(jax.jit(correctly_rounded_reciprocal)(jnp.asarray(scales)))
+    np.testing.assert_array_equal(got.view(np.uint32), _pytorch_reciprocal_bits(scales))
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -7,6 +7,7 @@ computes is the specification jaxscale must match.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -74,6 +75,9 @@ def unscale(grads: Sequence[np.ndarray], scale: np.float32) -> tuple[list[np.nda
     return [to_numpy(t, g) for t, g in zip(tensors, grads, strict=True)], bool(found_inf.item())
 
 
-def inverse_scale(scale: np.float32) -> np.float32:
-    inv = torch.full((), float(scale), dtype=torch.float32).double().reciprocal().float()
-    return np.float32(inv.item())
+def inverse_scale(scale: Any) -> Any:
+    """PyTorch's ``scale.double().reciprocal().float()``: a float32 scalar for a scalar
+    ``scale``, a float32 array for an array of scales."""
+    scales = torch.from_numpy(np.array(scale, np.float32, ndmin=1))
+    inv = scales.double().reciprocal().float().numpy()
+    return np.float32(inv[0]) if np.ndim(scale) == 0 else inv
