@@ -52,6 +52,9 @@ class Result:
     seconds: float  # median time per step
     ratio: float | None  # to the baseline of the same group
     samples: list[float]
+    # median time per step for the calls to return, before waiting for the device: the
+    # host's share (where it is near ``seconds``, the step is bound by dispatch)
+    returned: float | None = None
 
 
 def measure(
@@ -74,6 +77,7 @@ def measure(
             stepper.step()
         stepper.block()
     samples: dict[str, list[float]] = {name: [] for name in steppers}
+    returned: dict[str, list[float]] = {name: [] for name in steppers}
     for repeat in range(repeats):
         order = list(steppers)
         if repeat % 2:  # alternate the order so no variant always runs right after another
@@ -83,11 +87,18 @@ def measure(
             start = time.perf_counter()
             for _ in range(inner):
                 stepper.step()
+            returned[name].append((time.perf_counter() - start) / inner)
             stepper.block()
             samples[name].append((time.perf_counter() - start) / inner)
     base = statistics.median(samples[baseline])
     return [
-        Result(name, statistics.median(s), statistics.median(s) / base, s)
+        Result(
+            name,
+            statistics.median(s),
+            statistics.median(s) / base,
+            s,
+            statistics.median(returned[name]),
+        )
         for name, s in samples.items()
     ]
 
@@ -122,9 +133,15 @@ def machine() -> dict[str, str]:
 
 
 def table(results: list[Result], unit: str = "ms", per: str = "step") -> str:
+    """A markdown table of ``results``; with the time the calls took to return where
+    every result has it (the host's share of a step)."""
     scale = {"ms": 1e3, "us": 1e6}[unit]
-    lines = [f"| variant | median {unit}/{per} | ratio to baseline |", "|---|---|---|"]
+    host = all(r.returned is not None for r in results)
+    header = f"| variant | median {unit}/{per} | ratio to baseline |"
+    lines = [header + " returned after |" if host else header]
+    lines.append("|---|---|---|---|" if host else "|---|---|---|")
     for r in results:
         ratio = "1 (baseline)" if r.ratio == 1.0 else f"{r.ratio:.3f}"
-        lines.append(f"| {r.name} | {r.seconds * scale:.2f} | {ratio} |")
+        line = f"| {r.name} | {r.seconds * scale:.2f} | {ratio} |"
+        lines.append(line + f" {r.returned * scale:.2f} |" if host else line)
     return "\n".join(lines)

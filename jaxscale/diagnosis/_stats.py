@@ -195,7 +195,12 @@ def precision_stats(fn: F) -> Callable[..., tuple[Any, dict[str, dict[str, jax.A
     """The ranges every matmul and convolution of a call works in.
 
     ``precision_stats(fn)`` returns a function with ``fn``'s signature that returns
-    ``(fn(*args, **kwargs), stats)``, the outputs bitwise ``fn``'s. ``stats`` maps
+    ``(fn(*args, **kwargs), stats)``, the outputs bitwise ``fn``'s wherever XLA keeps
+    every rounding the program writes: always on the CPU; on a GPU, XLA by default
+    drops a float16 or bfloat16 rounding between operations it fuses
+    (``--xla_allow_excess_precision``), and reading a value for the figures changes
+    what it fuses, so the outputs may differ there by such a rounding unless
+    ``XLA_FLAGS=--xla_allow_excess_precision=false``. ``stats`` maps
     each matmul or convolution, keyed ``"file.py:LINE primitive phase (dtype)"``
     (``phase`` is ``forward`` or ``backward``; ``#2``, ``#3`` number several on one
     line), to float32 scalar arrays:

@@ -20,12 +20,21 @@ import numpy as np
 import pytest
 import torch
 from jax import lax
-from support import third_party
+from support import machine, third_party
 from support.torch_transformer import small_twins
 
 import jaxscale
 
 F = torch.nn.functional
+
+
+@pytest.fixture(autouse=True)
+def _on_the_cpu_device():
+    # PyTorch's CPU autocast is the reference, bit for bit where its kernels round once,
+    # so jaxscale runs on the CPU device too: a GPU sums in another order, and its
+    # linear algebra takes no bfloat16 (where PyTorch's CPU autocast keeps it)
+    with machine.on_cpu("compares with torch.autocast('cpu') bit for bit"):
+        yield
 
 
 def _spd(a):  # a symmetric positive definite matrix from a square one

