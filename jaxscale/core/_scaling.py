@@ -94,21 +94,49 @@ def inverse_scale(scale: jax.Array) -> jax.Array:
     """
     scale = jnp.asarray(scale, dtype=jnp.float32)
     return lax.platform_dependent(
-        scale, cpu=lambda s: jnp.float32(1.0) / s, default=correctly_rounded_reciprocal
+        scale, cpu=lambda s: jnp.float32(1.0) / s, default=_reciprocal_off_the_cpu
     )
 
 
+def _reciprocal_off_the_cpu(scale: jax.Array) -> jax.Array:
+    """:func:`correctly_rounded_reciprocal`, as a kernel of its own
+    (:func:`_in_a_kernel_of_its_own`): it is read by the unscaling of every leaf."""
+    return _in_a_kernel_of_its_own(correctly_rounded_reciprocal(scale))
+
+
+def _in_a_kernel_of_its_own(value: jax.Array) -> jax.Array:
+    """``value``, a float scalar, as the result of a two-element reduction.
+
+    XLA's GPU compiler weighs fusing a scalar computation into each kernel that
+    reads its result, and copies it there where that is cheap: the reciprocal of
+    the scale, read by every gradient leaf's unscaling, added a fifth to the
+    compile time of a 100-leaf step. A reduction is the root of its kernel and is
+    fused into no reader. ``max(value, -inf)`` is ``value`` for every float, NaN
+    included; its two-element vector comes from an iota, which XLA does not
+    simplify away as it would a broadcast.
+    """
+    first = lax.broadcasted_iota(jnp.int32, (2,), 0) == 0
+    return jnp.max(jnp.where(first, value, jnp.asarray(-jnp.inf, value.dtype)))
+
+
 def correctly_rounded_reciprocal(x: jax.Array) -> jax.Array:
-    """``1 / x`` for float32 ``x``, rounded to nearest even, in integer arithmetic.
+    """``1 / x`` for float32 ``x``, rounded to nearest even, exactly on any platform.
 
     For ``x = m * 2**(e - 150)`` (``m`` its 24-bit significand, normalised first
     where ``x`` is subnormal, ``e`` its biased exponent) the reciprocal's
-    significand is ``2**47 / m``, computed by long division in uint32 (24
-    quotient bits, the remainder deciding the rounding). A result below float32's
-    normal range is rounded once, where its subnormal encoding drops bits, and one
-    above it is ``inf``: for every finite non-zero ``x`` the result is PyTorch's
+    significand is ``2**47 / m``. The float division estimates it (to within an
+    ulp or two on a GPU); the remainder ``2**47 - q * m`` of the estimate ``q``,
+    exact in 32-bit integers because it is small, then moves ``q`` to the nearest
+    integer: the quotient rounded once. A result below float32's normal range is
+    rounded where its subnormal encoding drops bits, and one above it is ``inf``:
+    for every finite non-zero ``x`` the result is PyTorch's
     ``x.double().reciprocal().float()``, whatever the platform does with
     subnormals; ``1/±0`` is ``±inf``, ``1/±inf`` is ``±0`` and a NaN stays NaN.
+
+    A handful of integer operations rather than a bit-by-bit long division: XLA's
+    GPU compiler weighs fusing each operation of this scalar computation into every
+    kernel that reads the result (the unscaling of each gradient leaf), so its
+    length is compile time on every step that unscales.
     """
     bits = lax.bitcast_convert_type(x, jnp.uint32)
     sign = bits & jnp.uint32(0x80000000)
@@ -118,37 +146,28 @@ def correctly_rounded_reciprocal(x: jax.Array) -> jax.Array:
     shift = jnp.where(biased == 0, lax.clz(fraction).astype(jnp.int32) - 8, 0)
     significand = jnp.where(biased == 0, fraction << shift.astype(jnp.uint32), fraction | 0x800000)
     exponent = jnp.where(biased == 0, 1 - shift, biased)
-    power_of_two = significand == 0x800000
-    remainder = jnp.full_like(bits, 1 << 23)
-    quotient = jnp.zeros_like(bits)
-    for _ in range(24):
-        remainder = remainder << 1
-        fits = remainder >= significand
-        remainder = jnp.where(fits, remainder - significand, remainder)
-        quotient = (quotient << 1) | fits.astype(jnp.uint32)
-    # 1/x = (quotient + remainder/significand) * 2**(result_exponent - 150), quotient
-    # in [2**23, 2**24); a power of two's reciprocal is exact: 2**23 with no remainder
-    quotient = jnp.where(power_of_two, jnp.uint32(1 << 23), quotient)
-    remainder = jnp.where(power_of_two, jnp.uint32(0), remainder)
-    result_exponent = jnp.where(power_of_two, 254, 253) - exponent
+    quotient, remainder = _nearest_quotient(significand)
+    # 1/x = (quotient + remainder / significand) * 2**(result_exponent - 150), with
+    # quotient in [2**23, 2**24] and |remainder| <= significand / 2
+    result_exponent = 253 - exponent
     # Bits dropped below the result's last place: none for a normal result, 1 - exponent
     # for a subnormal one (1 or 2: x is at most 2**128)
     dropped = jnp.maximum(1 - result_exponent, 0).astype(jnp.uint32)
     kept = quotient >> dropped
     lost = quotient & ((jnp.uint32(1) << dropped) - 1)
     half = jnp.uint32(1) << (jnp.maximum(dropped, 1) - 1)
-    # Round to nearest, ties to even. The remainder (twice it against the divisor) is
-    # the first bit dropped for a normal result, below the dropped bits otherwise.
-    twice = remainder << 1
-    inexact = remainder != 0
-    above_half = jnp.where(
-        dropped == 0, twice > significand, (lost > half) | ((lost == half) & inexact)
+    # Round to nearest, ties to even: below the dropped bits lies remainder/significand,
+    # in [-1/2, 1/2] (zero only for a power of two). A normal result drops nothing.
+    at_half = lost == half
+    up = (dropped > 0) & (
+        (lost > half)
+        | (at_half & (remainder > 0))
+        | (at_half & (remainder == 0) & ((kept & 1) == 1))
     )
-    at_half = jnp.where(dropped == 0, twice == significand, (lost == half) & ~inexact)
-    up = above_half | (at_half & ((kept & 1) == 1))
     kept = kept + up.astype(jnp.uint32)
-    # Normal: a rounding carry out of 24 bits is one exponent higher. Subnormal: the
-    # encoding is the kept bits, a carry into bit 23 being the smallest normal's.
+    # Normal: a quotient of 2**24 (a power of two's reciprocal) is one exponent higher.
+    # Subnormal: the encoding is the kept bits, a carry into bit 23 being the smallest
+    # normal's.
     carried = kept >> 24
     normal = (jnp.maximum(result_exponent, 1).astype(jnp.uint32) + carried) << 23
     normal = normal | ((kept >> carried) & 0x7FFFFF)
@@ -162,6 +181,37 @@ def correctly_rounded_reciprocal(x: jax.Array) -> jax.Array:
     result = jnp.where(zero, jnp.uint32(0x7F800000), result)
     result = jnp.where(biased == 255, jnp.where(fraction == 0, 0, fraction | 0x7FC00000), result)
     return lax.bitcast_convert_type(result | sign, jnp.float32)
+
+
+def _float_quotient(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
+    """The platform's float32 division, which a GPU rounds to within an ulp or two."""
+    return numerator / denominator
+
+
+def _nearest_quotient(significand: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(q, r)``: ``q`` the integer nearest to ``2**47 / significand`` and
+    ``r = 2**47 - q * significand``, for a uint32 ``significand`` in ``[2**23, 2**24)``.
+
+    The float division estimates it to within a few ulps (an integer-valued float
+    in ``[2**23, 2**24]``). The remainder of an estimate within 64 of the quotient is
+    below 2**31 in magnitude, so uint32 arithmetic, which wraps modulo 2**32 (where
+    2**47 is 0), gives it exactly. The remainder's ratio to the divisor, rounded,
+    corrects the estimate to within one; a last exact step makes it the nearest (a
+    quotient is never halfway between two integers: 2**48 has no odd divisor).
+    """
+    divisor = significand.astype(jnp.float32)
+    estimate = _float_quotient(jnp.float32(2.0**47), divisor).astype(jnp.uint32)
+    remainder = lax.bitcast_convert_type(jnp.uint32(0) - estimate * significand, jnp.int32)
+    steps = _float_quotient(remainder.astype(jnp.float32), divisor)
+    steps = jnp.clip(jnp.round(steps), -64, 64).astype(jnp.int32)
+    divisor = significand.astype(jnp.int32)
+    quotient = estimate.astype(jnp.int32) + steps
+    remainder = remainder - steps * divisor
+    up = 2 * remainder > divisor
+    down = 2 * remainder < -divisor
+    quotient = quotient + up.astype(jnp.int32) - down.astype(jnp.int32)
+    remainder = remainder - jnp.where(up, divisor, 0) + jnp.where(down, divisor, 0)
+    return quotient.astype(jnp.uint32), remainder
 
 
 def unscale(tree: Any, inv_scale: jax.Array) -> Any:

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from support import machine, torch_reference
@@ -170,6 +171,43 @@ def test_the_gpu_reciprocal_of_a_subnormal_scale_is_pytorchs():
     np.testing.assert_array_equal(got.view(np.uint32), _pytorch_reciprocal_bits(scales))
     assert np.isinf(got[:1000]).all()
     assert np.isfinite(got[-1])
+
+
+@pytest.mark.parametrize("error", [1, 2, 3, 40])
+def test_the_gpu_reciprocal_corrects_a_float_division_off_by_a_few_ulps(monkeypatch, error):
+    # XLA's float32 division is correctly rounded on the CPU, so the corrections are
+    # exercised here by a division whose estimate of the quotient is off by up to
+    # `error` ulps either way, as a GPU's can be by one or two, and whose estimate of
+    # the remainder's ratio to the divisor (rounded to the steps from the estimate to
+    # the quotient) is off by up to 0.45, which makes it round the wrong way
+    def off(numerator, denominator):
+        exact = numerator / denominator
+        pattern = lax.bitcast_convert_type(denominator, jnp.uint32)
+        whole = (pattern % (2 * error + 1)).astype(jnp.float32) - error
+        fraction = jnp.where(pattern % 2 == 0, 0.45, -0.45)
+        return exact + jnp.where(jnp.abs(exact) > 2.0**22, whole, fraction)
+
+    monkeypatch.setattr(_scaling, "_float_quotient", off)
+    rng = np.random.default_rng(error)
+    patterns = np.concatenate([
+        rng.integers(1, 0x7F800000, 200_000, dtype=np.uint32),
+        rng.integers(0x7E800000, 0x7F800000, 20_000, dtype=np.uint32),
+        np.uint32([0x3F800000, 0x3F800001, 0x3FFFFFFF, 0x7F7FFFFF, 0x00000001, 0x00800000]),
+    ])  # fmt: skip
+    scales = patterns.view(np.float32)
+    got = np.asarray(jax.jit(correctly_rounded_reciprocal)(jnp.asarray(scales)))
+    np.testing.assert_array_equal(got.view(np.uint32), _pytorch_reciprocal_bits(scales))
+
+
+def test_the_reciprocal_off_the_cpu_is_the_exact_one_in_a_kernel_of_its_own():
+    scales = np.float32([65536.0, 3.0, 0.1, 1.5 * 2.0**126, 1e-45, 0.0, np.inf, np.nan])
+    got = np.asarray(jax.jit(_scaling._reciprocal_off_the_cpu)(jnp.asarray(scales[0])))
+    assert got == np.float32(2.0**-16)
+    for scale in scales:
+        got = np.asarray(jax.jit(_scaling._reciprocal_off_the_cpu)(jnp.float32(scale)))
+        np.testing.assert_array_equal(got.view(np.uint32), _pytorch_reciprocal_bits(scale[None])[0])
+    hlo = jax.jit(_scaling._reciprocal_off_the_cpu).lower(jnp.float32(3.0)).as_text()
+    assert "stablehlo.reduce" in hlo
 
 
 def test_the_gpu_reciprocal_of_zero_inf_and_nan():
