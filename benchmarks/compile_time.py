@@ -17,6 +17,7 @@ Ratios are to the plain step of the same size; the NNX facade's is to the same
 ``nnx.Optimizer`` step without loss scaling.
 
     python -m benchmarks.compile_time --leaves 100 500 1000
+    python -m benchmarks.compile_time --gpu-target h100 --leaves 100 500  # no GPU needed
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import optax
 from flax import nnx
 
 import jaxscale
-from benchmarks import recipes
+from benchmarks import gpu_target, recipes
 from benchmarks.harness import machine
 
 
@@ -119,12 +120,17 @@ SLOW = {"Flax DynamicScale", "jmp"}
 BASELINES = {"GradScaler + nnx.Optimizer": "nnx.Optimizer"}
 
 
-def time_compile(build: Build, params: Any, loss: recipes.Loss) -> tuple[float, float]:
-    """(seconds to lower, seconds for XLA to compile) of a fresh jit of the step."""
+def time_compile(
+    build: Build, params: Any, loss: recipes.Loss, target: Any = None
+) -> tuple[float, float]:
+    """(seconds to lower, seconds for XLA to compile) of a fresh jit of the step, for
+    this machine's default device or for ``target`` (a device of ``gpu_target``)."""
     step, args = build(params, loss)
     # Lowered on the flat list of arrays: jmp's loss scale cannot be rebuilt from the
     # placeholders JAX's lowering puts in a tree's leaves.
     leaves, tree = jax.tree.flatten(args)
+    if target is not None:
+        leaves = gpu_target.placed_like(leaves, target)
 
     def flat_step(*leaves: Any) -> Any:
         return step(*jax.tree.unflatten(tree, leaves))
@@ -138,7 +144,7 @@ def time_compile(build: Build, params: Any, loss: recipes.Loss) -> tuple[float, 
 
 
 def run(
-    leaves: int, size: int, repeats: int, loss: str = "mlp"
+    leaves: int, size: int, repeats: int, loss: str = "mlp", target: Any = None
 ) -> dict[str, tuple[float, float, float]]:
     """Per variant (Flax's and jmp's only up to ``recipes.MAX_LEAVES_FOR_SLOW`` leaves):
     (median total seconds, median lower seconds, median compile seconds)."""
@@ -151,10 +157,10 @@ def run(
     }
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     for build in variants.values():  # warm-up: imports, JAX's own caches
-        time_compile(build, make_params(2, size), loss_fn)
+        time_compile(build, make_params(2, size), loss_fn, target)
     for _ in range(repeats):
         for name, build in variants.items():
-            samples[name].append(time_compile(build, params, loss_fn))
+            samples[name].append(time_compile(build, params, loss_fn, target))
     return {
         name: (
             statistics.median(lower + compile_ for lower, compile_ in values),
@@ -191,13 +197,21 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--loss", choices=list(LOSSES), default="mlp")
     parser.add_argument("--size", type=int, default=20_000, help="elements per quadratic leaf")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--gpu-target",
+        choices=list(gpu_target.TARGETS),
+        help="compile for this GPU instead of the default device, with no GPU here "
+        "(XLA's deviceless compile; needs JAX's CUDA plugin)",
+    )
     args = parser.parse_args(argv)
-    results = {n: run(n, args.size, args.repeats, args.loss) for n in args.leaves}
+    target = gpu_target.device(args.gpu_target) if args.gpu_target else None
+    results = {n: run(n, args.size, args.repeats, args.loss, target) for n in args.leaves}
     report = table(results)
     info = machine()
     leaves = "64×64 tanh layers" if args.loss == "mlp" else f"{args.size}-element leaves"
-    print(f"{info['cpu']}, JAX {info['jax']}; {args.loss} loss, {leaves}, median of "
-          f"{args.repeats} interleaved repeats")  # fmt: skip
+    compiled_for = f", compiled for {args.gpu_target} (no device)" if target else ""
+    print(f"{info['cpu']}, JAX {info['jax']}{compiled_for}; {args.loss} loss, {leaves}, "
+          f"median of {args.repeats} interleaved repeats")  # fmt: skip
     print(report)
     return report
 
