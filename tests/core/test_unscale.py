@@ -139,19 +139,26 @@ def _pytorch_reciprocal_bits(scales: np.ndarray) -> np.ndarray:
     return torch_reference.inverse_scale(scales).view(np.uint32)
 
 
+def _reciprocals_checked_against_pytorch(patterns: np.ndarray) -> np.ndarray:
+    """The GPU reciprocal of the float32 scales with these bit ``patterns``, asserted
+    bit for bit against PyTorch's double reciprocal; returned for further checks."""
+    scales = patterns.view(np.float32)
+    got = np.asarray(jax.jit(correctly_rounded_reciprocal)(jnp.asarray(scales)))
+    np.testing.assert_array_equal(got.view(np.uint32), _pytorch_reciprocal_bits(scales))
+    return got
+
+
 def test_the_gpu_reciprocal_rounds_a_subnormal_result_once_as_pytorch():
     # Scales from 2**126 up have subnormal reciprocals. A GPU's float32 division is
     # off by an ulp there too, and may flush them; PyTorch's double reciprocal keeps
-    # and rounds them. Every bit pattern of the binades above 2**126 that rounds up,
-    # down or to even, and each binade's edges.
+    # and rounds them. Random patterns of the binades above 2**126, and each binade's
+    # edges.
     rng = np.random.default_rng(2)
     patterns = np.concatenate([
         rng.integers(0x7E800000, 0x7F800000, 200_000, dtype=np.uint32),
         np.uint32([0x7E800000, 0x7E800001, 0x7EFFFFFF, 0x7F000000, 0x7F000001, 0x7F7FFFFF]),
     ])  # fmt: skip
-    scales = patterns.view(np.float32)
-    got = np.asarray(jax.jit(correctly_rounded_reciprocal)(jnp.asarray(scales)))
-    np.testing.assert_array_equal(got.view(np.uint32), _pytorch_reciprocal_bits(scales))
+    got = _reciprocals_checked_against_pytorch(patterns)
     # 1/(1.5 * 2**126) lies between two subnormals; 1/2**127 is one exactly
     assert got[-2] == np.float32(2.0**-127)
     bits = np.asarray(correctly_rounded_reciprocal(jnp.float32(1.5 * 2.0**126))).view(np.uint32)
@@ -166,9 +173,7 @@ def test_the_gpu_reciprocal_of_a_subnormal_scale_is_pytorchs():
         np.random.default_rng(3).integers(1, 0x800000, 100_000, dtype=np.uint32),
         np.uint32([0x200000, 0x3FFFFF, 0x400000, 0x400001, 0x7FFFFF]),
     ])  # fmt: skip
-    scales = patterns.view(np.float32)
-    got = np.asarray(jax.jit(correctly_rounded_reciprocal)(jnp.asarray(scales)))
-    np.testing.assert_array_equal(got.view(np.uint32), _pytorch_reciprocal_bits(scales))
+    got = _reciprocals_checked_against_pytorch(patterns)
     assert np.isinf(got[:1000]).all()
     assert np.isfinite(got[-1])
 
@@ -194,9 +199,7 @@ def test_the_gpu_reciprocal_corrects_a_float_division_off_by_a_few_ulps(monkeypa
         rng.integers(0x7E800000, 0x7F800000, 20_000, dtype=np.uint32),
         np.uint32([0x3F800000, 0x3F800001, 0x3FFFFFFF, 0x7F7FFFFF, 0x00000001, 0x00800000]),
     ])  # fmt: skip
-    scales = patterns.view(np.float32)
-    got = np.asarray(jax.jit(correctly_rounded_reciprocal)(jnp.asarray(scales)))
-    np.testing.assert_array_equal(got.view(np.uint32), _pytorch_reciprocal_bits(scales))
+    _reciprocals_checked_against_pytorch(patterns)
 
 
 def test_the_reciprocal_off_the_cpu_is_the_exact_one_in_a_kernel_of_its_own():
@@ -212,8 +215,7 @@ def test_the_reciprocal_off_the_cpu_is_the_exact_one_in_a_kernel_of_its_own():
 
 def test_the_gpu_reciprocal_of_zero_inf_and_nan():
     scales = np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, -2.0, -1.5 * 2.0**126])
-    got = np.asarray(jax.jit(correctly_rounded_reciprocal)(jnp.asarray(scales)))
-    np.testing.assert_array_equal(got.view(np.uint32), _pytorch_reciprocal_bits(scales))
+    _reciprocals_checked_against_pytorch(scales.view(np.uint32))
 
 
 @pytest.mark.parametrize("mode", MODES)
