@@ -49,7 +49,7 @@ class ScaleUpdateRule:
         found_inf = _as_found_inf(found_inf)
         skipped = jnp.asarray(state.skipped_steps, jnp.int32)
         return state._replace(
-            found_inf=found_inf,
+            found_inf=_written_over(state.found_inf, found_inf),
             skipped_steps=jnp.where(found_inf, _saturating_add(skipped), skipped),
         )
 
@@ -66,7 +66,7 @@ class ScaleUpdateRule:
             # PyTorch's rule: every overflow backs off, and the streak stays 0. Written
             # as a constant, it costs the compiled step no kernel of its own.
             backs_off = found_inf
-            new_streak = jnp.zeros((), jnp.int32)
+            new_streak = _written_over(state.overflow_streak, jnp.zeros((), jnp.int32))
         else:
             # The streak holds the overflows tolerated so far (at most hysteresis - 1),
             # so streak + 1 cannot overflow.
@@ -111,6 +111,21 @@ class ScaleUpdateRule:
             multiply_as_double(scale, self.backoff_factor),
             multiply_as_double(scale, self.growth_factor),
         )
+
+
+def _written_over(old: Any, new: jax.Array) -> jax.Array:
+    """``new``, computed as if it read ``old``: ``new | (old & 0)``, which XLA folds to ``new``.
+
+    A state field that the step writes without reading would otherwise be an
+    argument that nothing reads, and ``jax.jit`` drops those. Its donated buffer
+    is then lost: the field's output takes a fresh buffer on every call, and the
+    donated inputs left are paired with outputs of their type in order, so a
+    later field (the optimizer's step count) moves too. On a GPU a moved buffer
+    is costly: each kernel that reads it, here one per gradient leaf reading the
+    skip decision, has its CUDA-graph node rewritten before every step.
+    """
+    old = jnp.asarray(old, new.dtype)
+    return new | (old & jnp.zeros((), new.dtype))
 
 
 def _saturating_add(count: jax.Array) -> jax.Array:
