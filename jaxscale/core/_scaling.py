@@ -111,8 +111,9 @@ def _in_a_kernel_of_its_own(value: jax.Array) -> jax.Array:
     reads its result, and copies it there where that is cheap: the reciprocal of
     the scale, read by every gradient leaf's unscaling, added a fifth to the
     compile time of a 100-leaf step. A reduction is the root of its kernel and is
-    fused into no reader. ``max(value, -inf)`` is ``value`` for every float, NaN
-    included; its two-element vector comes from an iota, which XLA does not
+    fused into no reader. ``max(value, -inf)`` is ``value`` for every float but
+    NaN, which stays NaN with the platform's bits (a GPU writes its canonical
+    ``0x7FFFFFFF``); its two-element vector comes from an iota, which XLA does not
     simplify away as it would a broadcast.
     """
     first = lax.broadcasted_iota(jnp.int32, (2,), 0) == 0
