@@ -87,6 +87,14 @@ def lowering_report(fn: Callable[..., Any], *args: Any, platform: str = "cuda") 
     >>> report.syncs_with_host, report.matmul_dtypes
     (False, {'f16 x f16 -> f16': 2})
     """
+    if isinstance(fn, jax.stages.Lowered | jax.stages.Compiled):
+        # lowered (or compiled) for this machine's platform, not necessarily ``platform``
+        raise TypeError(
+            f"lowering_report expects a callable, got a {type(fn).__name__}, which is already "
+            f"lowered for one platform: pass the function and its arguments, "
+            f"lowering_report(step, *args, platform={platform!r}), and it is lowered for that "
+            "platform"
+        )
     if not callable(fn):
         raise TypeError(f"lowering_report expects a callable, got {type(fn).__name__} {fn!r}")
     if platform not in _PLATFORMS:

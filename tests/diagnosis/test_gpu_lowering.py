@@ -144,6 +144,21 @@ def test_lowering_report_names_a_bad_argument(fn, platform, error, message):
         jaxscale.lowering_report(fn, jnp.ones(3), platform=platform)
 
 
+@pytest.mark.parametrize("stage", ["lower", "compile"])
+def test_lowering_report_asks_for_the_function_when_given_it_lowered(stage):
+    # train_step.lower(state) is the natural first try; it was lowered for this machine
+    step = jax.jit(lambda a: a @ a).lower(jnp.ones((2, 2)))
+    given = step if stage == "lower" else step.compile()
+    kind = type(given).__name__
+    message = (
+        f"lowering_report expects a callable, got a {kind}, which is already lowered for one "
+        "platform: pass the function and its arguments, "
+        "lowering_report(step, *args, platform='cuda')"
+    )
+    with pytest.raises(TypeError, match=re.escape(message)):
+        jaxscale.lowering_report(given)
+
+
 def test_lowering_report_refuses_a_step_that_returns_nothing():
     # An nnx.jit step updates its objects in place and returns nothing: lowered as a
     # function, all of it is dead code. Reporting an empty program as clean would mislead.
