@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import torch
 from jax import lax
-from support import machine, third_party
+from support import decompositions, machine, third_party
+from support.decompositions import spd
 from support.torch_transformer import small_twins
 
 import jaxscale
@@ -35,10 +36,6 @@ def _on_the_cpu_device():
     # linear algebra takes no bfloat16 (where PyTorch's CPU autocast keeps it)
     with machine.on_cpu("compares with torch.autocast('cpu') bit for bit"):
         yield
-
-
-def _spd(a):  # a symmetric positive definite matrix from a square one
-    return a @ a.T + 4 * jnp.eye(a.shape[0], dtype=a.dtype)
 
 
 def _spd_torch(a):
@@ -80,10 +77,10 @@ UNARY = [
     ("logsumexp", lambda a: jax.nn.logsumexp(a, 0), lambda a: torch.logsumexp(a, 0)),
     ("norm", jnp.linalg.norm, torch.linalg.norm),
     ("cholesky",
-     lambda a: jnp.linalg.cholesky(_spd(a)), lambda a: torch.linalg.cholesky(_spd_torch(a))),
+     lambda a: jnp.linalg.cholesky(spd(a)), lambda a: torch.linalg.cholesky(_spd_torch(a))),
     ("qr", lambda a: jnp.abs(jnp.linalg.qr(a)[1]), lambda a: torch.abs(torch.linalg.qr(a)[1])),
     ("svd", lambda a: jnp.linalg.svd(a)[1], lambda a: torch.linalg.svd(a)[1]),
-    ("eigh", lambda a: jnp.linalg.eigh(_spd(a))[0], lambda a: torch.linalg.eigh(_spd_torch(a))[0]),
+    ("eigh", lambda a: jnp.linalg.eigh(spd(a))[0], lambda a: torch.linalg.eigh(_spd_torch(a))[0]),
     ("fft", lambda a: jnp.abs(jnp.fft.fft(a)), lambda a: torch.abs(torch.fft.fft(a))),
 ]  # fmt: skip
 
@@ -100,18 +97,6 @@ def _inputs(dtype_name: str):
 # jnp.prod of a bfloat16 array casts its float32 product back to bfloat16 (see below)
 _CAST_BACK_BY_JNP = {("prod", "bfloat16")}
 
-_LINEAR_ALGEBRA = {"cholesky", "qr", "svd", "eigh"}
-
-
-def _jax_traces_bfloat16_linear_algebra() -> bool:
-    # JAX 0.11 and later check a decomposition's input dtype while tracing and refuse
-    # bfloat16; earlier releases traced it (and autocast then cast it to float32)
-    try:
-        jax.eval_shape(jnp.linalg.cholesky, jax.ShapeDtypeStruct((2, 2), jnp.bfloat16))
-    except TypeError:
-        return False
-    return True
-
 
 @pytest.mark.parametrize("input_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("name", "ours", "theirs"), UNARY, ids=[row[0] for row in UNARY])
@@ -119,8 +104,8 @@ def test_each_op_takes_the_dtype_torch_cpu_autocast_gives_it(name, ours, theirs,
     a, t = _inputs(input_dtype)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = theirs(t)
-    refused = name in _LINEAR_ALGEBRA and input_dtype == "bfloat16"
-    if refused and not _jax_traces_bfloat16_linear_algebra():
+    refused = name in decompositions.NAMES and input_dtype == "bfloat16"
+    if refused and not decompositions.jax_traces_bfloat16():
         # autocast traces the function as written, and this JAX refuses the function
         # itself: the error is JAX's own, the same with autocast as without
         refusal = f"{name} does not accept dtype bfloat16"

@@ -20,7 +20,7 @@ import optax
 import pytest
 from flax import nnx
 from jax import lax
-from support import third_party
+from support import decompositions, third_party
 
 import jaxscale
 from jaxscale.casting import AS_TRACED, CPU_POLICY, POLICY, UNSUPPORTED_HIGHER_ORDER, Precision
@@ -305,10 +305,6 @@ def test_the_cpu_table_moves_what_pytorchs_cpu_lists_move_and_keeps_the_rest():
     assert set(CPU_POLICY) - set(POLICY) <= set(AS_TRACED)  # linear algebra and fft
 
 
-def _spd(a):  # a symmetric positive definite matrix from a square one
-    return a @ a.T + 4 * jnp.eye(a.shape[0], dtype=a.dtype)
-
-
 def _cholesky_inputs(closed):
     return [
         eqn.invars[0].aval.dtype for eqn in closed.jaxpr.eqns if eqn.primitive.name == "cholesky"
@@ -318,7 +314,7 @@ def _cholesky_inputs(closed):
 def test_the_cpu_policy_decomposes_a_narrowed_value_in_float32():
     # under torch.autocast("cpu") a bfloat16 matmul's output reaches cholesky in float32
     a = jnp.asarray(RNG.uniform(0.5, 1.5, (8, 8)) / 4, F32)
-    fn = jaxscale.autocast(lambda a: jnp.linalg.cholesky(_spd(a)), device_type="cpu")
+    fn = jaxscale.autocast(lambda a: jnp.linalg.cholesky(decompositions.spd(a)), device_type="cpu")
     with third_party.standard_promotion():
         got = fn(a)
         closed = jax.make_jaxpr(fn)(a)
@@ -328,28 +324,20 @@ def test_the_cpu_policy_decomposes_a_narrowed_value_in_float32():
     np.testing.assert_allclose(got, jnp.linalg.cholesky(product), rtol=1e-2, atol=1e-2)
 
 
-def _jax_traces_bfloat16_cholesky() -> bool:
-    try:
-        jax.eval_shape(jnp.linalg.cholesky, jax.ShapeDtypeStruct((2, 2), BF16))
-    except TypeError:
-        return False
-    return True
-
-
 def test_a_bfloat16_input_to_a_decomposition_is_float32_or_refused_as_jax_refuses_it():
     # JAX 0.11 and later refuse bfloat16 input to a decomposition while tracing; autocast
     # traces the function as written, so the refusal is JAX's own, with it or without.
     # Where JAX traces it, the CPU policy casts it to float32 as PyTorch's CPU list does.
     a = jnp.asarray(RNG.uniform(0.5, 1.5, (8, 8)) / 4, BF16)
-    fn = jaxscale.autocast(lambda a: jnp.linalg.cholesky(_spd(a)), device_type="cpu")
-    if _jax_traces_bfloat16_cholesky():
+    fn = jaxscale.autocast(lambda a: jnp.linalg.cholesky(decompositions.spd(a)), device_type="cpu")
+    if decompositions.jax_traces_bfloat16():
         with third_party.standard_promotion():
             assert fn(a).dtype == F32
             assert _cholesky_inputs(jax.make_jaxpr(fn)(a)) == [F32]
         return
     refusal = "cholesky does not accept dtype bfloat16"
     with pytest.raises(TypeError, match=refusal):
-        jnp.linalg.cholesky(_spd(a))
+        jnp.linalg.cholesky(decompositions.spd(a))
     with pytest.raises(TypeError, match=refusal):
         fn(a)
 
