@@ -312,15 +312,18 @@ def _cholesky_inputs(closed):
 
 
 def test_the_cpu_policy_decomposes_a_narrowed_value_in_float32():
-    # under torch.autocast("cpu") a bfloat16 matmul's output reaches cholesky in float32
-    a = jnp.asarray(RNG.uniform(0.5, 1.5, (8, 8)) / 4, F32)
-    fn = jaxscale.autocast(lambda a: jnp.linalg.cholesky(decompositions.spd(a)), device_type="cpu")
+    # under torch.autocast("cpu") a bfloat16 matmul's output reaches cholesky in float32;
+    # the matmul comes last, so that nothing float32 widens its output on the way. The
+    # value was float32 when traced, so running cholesky as traced would give float32
+    # too: the CPU list's row shows only on a bfloat16 input (the test below)
+    b = jnp.asarray(RNG.uniform(0.5, 1.5, (8, 8)) / 4, F32) + jnp.eye(8)
+    fn = jaxscale.autocast(lambda b: jnp.linalg.cholesky(b @ b.T), device_type="cpu")
     with third_party.standard_promotion():
-        got = fn(a)
-        closed = jax.make_jaxpr(fn)(a)
+        got = fn(b)
+        closed = jax.make_jaxpr(fn)(b)
     assert got.dtype == F32
     assert _cholesky_inputs(closed) == [F32]
-    product = (a.astype(BF16) @ a.T.astype(BF16)).astype(F32) + 4 * jnp.eye(8)
+    product = (b.astype(BF16) @ b.T.astype(BF16)).astype(F32)
     np.testing.assert_allclose(got, jnp.linalg.cholesky(product), rtol=1e-2, atol=1e-2)
 
 
