@@ -157,9 +157,15 @@ STEPS: dict[str, Callable[[], tuple[Callable[..., Any], tuple]]] = {
 
 
 @functools.cache
+def built(name: str) -> tuple[Callable[..., Any], tuple]:
+    """The step ``name`` of :data:`STEPS` and its arguments, built once for every platform."""
+    return STEPS[name]()
+
+
+@functools.cache
 def lowered(name: str, platform: str) -> jaxscale.LoweringReport:
     """The lowering report of the step ``name`` of :data:`STEPS` for ``platform``."""
-    step, args = STEPS[name]()
+    step, args = built(name)
     return jaxscale.lowering_report(step, *args, platform=platform)
 
 

@@ -22,9 +22,10 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 #
 # PyTorch's CPU build exists for the Python the main CI stage uses; on others (the stage
 # on the newest JAX) only its multi-gigabyte CUDA build does. With
-# JAXSCALE_TESTS_WITHOUT_TORCH=1 the modules that compare with PyTorch are not collected
-# and tests marked `torch` are deselected; the header says how many. Without the
-# variable a missing torch is an import error, never a silent skip.
+# JAXSCALE_TESTS_WITHOUT_TORCH=1 the modules that import PyTorch at the top are not
+# collected, and the tests that take PyTorch from a fixture (`torch`, `torch_reference`)
+# or are marked `torch` are deselected; the header says how many. Without the variable a
+# missing torch is an import error, never a silent skip.
 
 import functools  # noqa: E402
 import pathlib  # noqa: E402
@@ -54,13 +55,36 @@ def pytest_ignore_collect(collection_path: pathlib.Path, config):
     return None
 
 
+_TORCH_FIXTURES = {"torch", "torch_reference"}
+
+
 def pytest_collection_modifyitems(config, items):
+    # a test that takes PyTorch from a fixture needs it, whether or not it says so
+    for item in items:
+        if _TORCH_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.torch)
     if not WITHOUT_TORCH:
         return
     deselected = [item for item in items if item.get_closest_marker("torch")]
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = [item for item in items if not item.get_closest_marker("torch")]
+
+
+@pytest.fixture
+def torch():
+    """PyTorch, for a test in a module that runs without it too (the test is marked torch)."""
+    import torch
+
+    return torch
+
+
+@pytest.fixture
+def torch_reference():
+    """``support/torch_reference.py``, PyTorch's own kernels driven with NumPy inputs."""
+    from support import torch_reference
+
+    return torch_reference
 
 
 def pytest_report_header(config):
@@ -92,16 +116,19 @@ def char_lm():
 # -- comparisons with PyTorch on a GPU ----------------------------------------------------------
 #
 # PyTorch's CPU, which the tests compare with, multiplies float32 matrices in float32; XLA's
-# GPU backend defaults to TF32 for them. Off the CPU the modules that compare with PyTorch run
-# JAX's matmuls at float32 ("highest"); on the CPU XLA computes float32 anyway and nothing is
-# changed.
+# GPU backend defaults to TF32 for them. Off the CPU the modules and tests that compare with
+# PyTorch run JAX's matmuls at float32 ("highest"); on the CPU XLA computes float32 anyway and
+# nothing is changed.
 
 
 @pytest.fixture(autouse=True)
 def float32_matmuls_against_pytorch(request):
     module = getattr(request, "module", None)
     source = pathlib.Path(module.__file__) if module is not None else None
-    if jax.default_backend() == "cpu" or source is None or not _compares_with_pytorch(source):
+    compares = request.node.get_closest_marker("torch") is not None or (
+        source is not None and _compares_with_pytorch(source)
+    )
+    if jax.default_backend() == "cpu" or not compares:
         yield
         return
     with jax.default_matmul_precision("highest"):

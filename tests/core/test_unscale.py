@@ -12,7 +12,7 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from support import machine, torch_reference
+from support import machine
 
 from jaxscale import all_finite, scale_outputs, unscale_and_check
 from jaxscale.core import _scaling, correctly_rounded_reciprocal, inverse_scale
@@ -51,7 +51,7 @@ def test_each_non_finite_kind_is_found(mode, bad):
     )
 
 
-def test_check_is_on_scaled_values_so_overflow_after_unscaling_is_not_found():
+def test_check_is_on_scaled_values_so_overflow_after_unscaling_is_not_found(torch_reference):
     # scale < 1 makes inv_scale > 1: a finite float16 value can overflow when unscaled.
     # PyTorch checks the scaled values, reports no inf, and returns inf. So does jaxscale.
     grads = [np.array([60000.0, 1.0], np.float16)]
@@ -86,7 +86,7 @@ def test_empty_tree_is_all_finite(mode):
         assert bool(all_finite(tree))
 
 
-def test_float64_leaves_compute_in_float64():
+def test_float64_leaves_compute_in_float64(torch_reference):
     with jax.enable_x64(True):
         g = np.array([3.0, 1e300, np.nextafter(1.0, 2.0)], np.float64)
         unscaled, found_inf = unscale_and_check([jnp.asarray(g)], jnp.float32(3.0))
@@ -109,7 +109,7 @@ def test_non_array_leaves_are_rejected_naming_the_leaf():
         all_finite([jnp.ones(2), "x"])
 
 
-def test_inverse_scale_equals_pytorch_double_reciprocal():
+def test_inverse_scale_equals_pytorch_double_reciprocal(torch_reference):
     rng = np.random.default_rng(0)
     # every normal float32 up to 2**126 (beyond it the reciprocal is a subnormal)
     scales = rng.integers(0x00800000, 0x7E800000, 200_000, dtype=np.uint32).view(np.float32)
@@ -120,7 +120,7 @@ def test_inverse_scale_equals_pytorch_double_reciprocal():
         assert inverse_scale(jnp.float32(scale)) == torch_reference.inverse_scale(scale)
 
 
-def test_the_gpu_reciprocal_equals_pytorch_double_reciprocal():
+def test_the_gpu_reciprocal_equals_pytorch_double_reciprocal(torch_reference):
     # What inverse_scale computes off the CPU, where XLA's float32 division is not
     # correctly rounded: integer long division, run here so the CPU suite checks it.
     rng = np.random.default_rng(1)
@@ -135,20 +135,22 @@ def test_the_gpu_reciprocal_equals_pytorch_double_reciprocal():
     assert correctly_rounded_reciprocal(jnp.float32(3.0)) == torch_reference.inverse_scale(3.0)
 
 
-def _pytorch_reciprocal_bits(scales: np.ndarray) -> np.ndarray:
+def _pytorch_reciprocal_bits(torch_reference, scales: np.ndarray) -> np.ndarray:
     return torch_reference.inverse_scale(scales).view(np.uint32)
 
 
-def _reciprocals_checked_against_pytorch(patterns: np.ndarray) -> np.ndarray:
+def _reciprocals_checked_against_pytorch(torch_reference, patterns: np.ndarray) -> np.ndarray:
     """The GPU reciprocal of the float32 scales with these bit ``patterns``, asserted
     bit for bit against PyTorch's double reciprocal; returned for further checks."""
     scales = patterns.view(np.float32)
     got = np.asarray(jax.jit(correctly_rounded_reciprocal)(jnp.asarray(scales)))
-    np.testing.assert_array_equal(got.view(np.uint32), _pytorch_reciprocal_bits(scales))
+    np.testing.assert_array_equal(
+        got.view(np.uint32), _pytorch_reciprocal_bits(torch_reference, scales)
+    )
     return got
 
 
-def test_the_gpu_reciprocal_rounds_a_subnormal_result_once_as_pytorch():
+def test_the_gpu_reciprocal_rounds_a_subnormal_result_once_as_pytorch(torch_reference):
     # Scales from 2**126 up have subnormal reciprocals. A GPU's float32 division is
     # off by an ulp there too, and may flush them; PyTorch's double reciprocal keeps
     # and rounds them. Random patterns of the binades above 2**126, and each binade's
@@ -158,14 +160,14 @@ def test_the_gpu_reciprocal_rounds_a_subnormal_result_once_as_pytorch():
         rng.integers(0x7E800000, 0x7F800000, 200_000, dtype=np.uint32),
         np.uint32([0x7E800000, 0x7E800001, 0x7EFFFFFF, 0x7F000000, 0x7F000001, 0x7F7FFFFF]),
     ])  # fmt: skip
-    got = _reciprocals_checked_against_pytorch(patterns)
+    got = _reciprocals_checked_against_pytorch(torch_reference, patterns)
     # 1/(1.5 * 2**126) lies between two subnormals; 1/2**127 is one exactly
     assert got[-2] == np.float32(2.0**-127)
     bits = np.asarray(correctly_rounded_reciprocal(jnp.float32(1.5 * 2.0**126))).view(np.uint32)
     assert 0 < bits < 0x800000  # subnormal (compared as bits: XLA's CPU flushes them)
 
 
-def test_the_gpu_reciprocal_of_a_subnormal_scale_is_pytorchs():
+def test_the_gpu_reciprocal_of_a_subnormal_scale_is_pytorchs(torch_reference):
     # A scale halved ~150 times from 65536 is subnormal: its reciprocal is a large normal
     # float (rounded like any other) or, below 2**-128, inf.
     patterns = np.concatenate([
@@ -173,13 +175,15 @@ def test_the_gpu_reciprocal_of_a_subnormal_scale_is_pytorchs():
         np.random.default_rng(3).integers(1, 0x800000, 100_000, dtype=np.uint32),
         np.uint32([0x200000, 0x3FFFFF, 0x400000, 0x400001, 0x7FFFFF]),
     ])  # fmt: skip
-    got = _reciprocals_checked_against_pytorch(patterns)
+    got = _reciprocals_checked_against_pytorch(torch_reference, patterns)
     assert np.isinf(got[:1000]).all()
     assert np.isfinite(got[-1])
 
 
 @pytest.mark.parametrize("error", [1, 2, 3, 40])
-def test_the_gpu_reciprocal_corrects_a_float_division_off_by_a_few_ulps(monkeypatch, error):
+def test_the_gpu_reciprocal_corrects_a_float_division_off_by_a_few_ulps(
+    monkeypatch, error, torch_reference
+):
     # XLA's float32 division is correctly rounded on the CPU, so the corrections are
     # exercised here by a division whose estimate of the quotient is off by up to
     # `error` ulps either way, as a GPU's can be by one or two, and whose estimate of
@@ -199,16 +203,18 @@ def test_the_gpu_reciprocal_corrects_a_float_division_off_by_a_few_ulps(monkeypa
         rng.integers(0x7E800000, 0x7F800000, 20_000, dtype=np.uint32),
         np.uint32([0x3F800000, 0x3F800001, 0x3FFFFFFF, 0x7F7FFFFF, 0x00000001, 0x00800000]),
     ])  # fmt: skip
-    _reciprocals_checked_against_pytorch(patterns)
+    _reciprocals_checked_against_pytorch(torch_reference, patterns)
 
 
-def test_the_reciprocal_off_the_cpu_is_the_exact_one_in_a_kernel_of_its_own():
+def test_the_reciprocal_off_the_cpu_is_the_exact_one_in_a_kernel_of_its_own(torch_reference):
     scales = np.float32([65536.0, 3.0, 0.1, 1.5 * 2.0**126, 1e-45, 0.0, np.inf, np.nan])
     got = np.asarray(jax.jit(_scaling._reciprocal_off_the_cpu)(jnp.asarray(scales[0])))
     assert got == np.float32(2.0**-16)
     for scale in scales[:-1]:
         got = np.asarray(jax.jit(_scaling._reciprocal_off_the_cpu)(jnp.float32(scale)))
-        np.testing.assert_array_equal(got.view(np.uint32), _pytorch_reciprocal_bits(scale[None])[0])
+        np.testing.assert_array_equal(
+            got.view(np.uint32), _pytorch_reciprocal_bits(torch_reference, scale[None])[0]
+        )
     # a NaN stays a NaN, with the platform's bits: a GPU's max gives CUDA's canonical
     # NaN, 0x7FFFFFFF, where the CPU keeps 0x7FC00000
     assert np.isnan(jax.jit(_scaling._reciprocal_off_the_cpu)(jnp.float32(np.nan)))
@@ -216,9 +222,9 @@ def test_the_reciprocal_off_the_cpu_is_the_exact_one_in_a_kernel_of_its_own():
     assert "stablehlo.reduce" in hlo
 
 
-def test_the_gpu_reciprocal_of_zero_inf_and_nan():
+def test_the_gpu_reciprocal_of_zero_inf_and_nan(torch_reference):
     scales = np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, -2.0, -1.5 * 2.0**126])
-    _reciprocals_checked_against_pytorch(scales.view(np.uint32))
+    _reciprocals_checked_against_pytorch(torch_reference, scales.view(np.uint32))
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.torch_reference import update_scale_trajectory
 
 import jaxscale
 from jaxscale import ScalerState, init_scaler_state, update_scale
@@ -52,40 +51,44 @@ def test_pytorch_unit_test_numbers(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_non_power_of_two_factors_match_pytorch_bit_for_bit(mode):
+def test_non_power_of_two_factors_match_pytorch_bit_for_bit(mode, torch_reference):
     flags = [0, 0, 1, 0, 1, 1, 0]
     scales, *_ = run(flags, 1.0, mode, growth_factor=1.5, backoff_factor=0.3, growth_interval=1)
     assert float(scales[-1]) == 0.1366875022649765
-    expected, _ = update_scale_trajectory(1.0, flags, 1.5, 0.3, 1)
+    expected, _ = torch_reference.update_scale_trajectory(1.0, flags, 1.5, 0.3, 1)
     assert scales.view(np.uint32).tolist() == expected.view(np.uint32).tolist()
 
 
-def test_growth_only_on_exact_equality_with_the_interval():
+def test_growth_only_on_exact_equality_with_the_interval(torch_reference):
     # A tracker already past the interval (e.g. loaded from a checkpoint) never grows.
     state = init_scaler_state(8.0, growth_tracker=5)
     for expected_tracker in [6, 7, 8]:
         state = update_scale(state, False, growth_interval=3)
         assert int(state.growth_tracker) == expected_tracker
         assert float(state.scale) == 8.0
-    scales, trackers = update_scale_trajectory(8.0, [0, 0, 0], 2.0, 0.5, 3, init_tracker=5)
+    scales, trackers = torch_reference.update_scale_trajectory(
+        8.0, [0, 0, 0], 2.0, 0.5, 3, init_tracker=5
+    )
     assert trackers.tolist() == [6, 7, 8]
     assert scales.tolist() == [8.0] * 3
 
 
-def test_growth_to_inf_is_refused_but_the_tracker_still_resets():
+def test_growth_to_inf_is_refused_but_the_tracker_still_resets(torch_reference):
     state = init_scaler_state(F32_MAX / 1.5)
     state = update_scale(state, False, growth_factor=2.0, growth_interval=1)
     assert float(state.scale) == float(np.float32(F32_MAX / 1.5))
     assert int(state.growth_tracker) == 0
-    expected, trackers = update_scale_trajectory(F32_MAX / 1.5, [0], 2.0, 0.5, 1)
+    expected, trackers = torch_reference.update_scale_trajectory(F32_MAX / 1.5, [0], 2.0, 0.5, 1)
     assert float(state.scale) == float(expected[0])
     assert trackers.tolist() == [0]
 
 
-def test_backoff_has_no_floor_and_reaches_zero_as_pytorch():
+def test_backoff_has_no_floor_and_reaches_zero_as_pytorch(torch_reference):
     flags = [1] * 170
     scales, trackers, *_ = run(flags, 2.0**16, "scan")
-    expected, expected_trackers = update_scale_trajectory(2.0**16, flags, 2.0, 0.5, 2000)
+    expected, expected_trackers = torch_reference.update_scale_trajectory(
+        2.0**16, flags, 2.0, 0.5, 2000
+    )
     # the scale passes through float32 subnormals (kept exactly) down to 0.0
     assert 0.0 < expected[142] < np.finfo(np.float32).tiny
     assert scales.view(np.uint32).tolist() == expected.view(np.uint32).tolist()
@@ -129,10 +132,12 @@ def test_hysteresis_backs_off_on_the_nth_consecutive_overflow_and_after(mode):
     assert trackers.tolist() == [0, 1, 0, 0, 0, 1, 2, 0]
 
 
-def test_hysteresis_one_is_pytorch_and_keeps_the_streak_at_zero():
+def test_hysteresis_one_is_pytorch_and_keeps_the_streak_at_zero(torch_reference):
     flags = [1, 1, 0, 1]
     scales, trackers, streaks, *_ = run(flags, 64.0, "eager", hysteresis=1)
-    expected, expected_trackers = update_scale_trajectory(64.0, flags, 2.0, 0.5, 2000)
+    expected, expected_trackers = torch_reference.update_scale_trajectory(
+        64.0, flags, 2.0, 0.5, 2000
+    )
     assert scales.tolist() == expected.tolist()
     assert trackers.tolist() == expected_trackers.tolist()
     assert streaks.tolist() == [0, 0, 0, 0]

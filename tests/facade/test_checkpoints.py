@@ -21,7 +21,6 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-import torch
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -33,6 +32,8 @@ from jaxscale import GradScaler
 X = jnp.linspace(-1.0, 1.0, 24).reshape(6, 4)
 Y = jnp.cos(X[:, :2])
 METHODS = ["orbax", "flax.serialization", "state_dict"]
+# PyTorch's own torch.save and torch.load carry the state_dict
+NEEDS_TORCH = {"state_dict"}
 
 
 def bits(tree):
@@ -103,6 +104,8 @@ def save_and_restore_facade(objects, method: str, directory: pathlib.Path):
     else:
         # PyTorch's format for the scaler, saved and loaded by torch itself; the model
         # and optimizer go through flax.serialization.
+        import torch
+
         model, optimizer, scaler = objects
         buffer = io.BytesIO()
         torch.save({"scaler": scaler.state_dict()}, buffer)
@@ -117,7 +120,10 @@ def save_and_restore_facade(objects, method: str, directory: pathlib.Path):
     return restored
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(
+    "method",
+    [pytest.param(m, marks=[pytest.mark.torch] if m in NEEDS_TORCH else []) for m in METHODS],
+)
 def test_facade_resumes_bit_identically_over_200_steps(method, tmp_path):
     plan = overflow_plan(200, seed=1)
     assert 15 <= sum(plan) <= 45
@@ -130,6 +136,7 @@ def test_facade_resumes_bit_identically_over_200_steps(method, tmp_path):
 
 
 @pytest.mark.randomized
+@pytest.mark.torch  # draws every method, PyTorch's among them
 @settings(
     max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import torch
 from flax import nnx
 from flax.training import train_state
 from support import machine, third_party
@@ -67,7 +66,7 @@ def poisoned(grads):
 # -- construction --------------------------------------------------------------------
 
 
-def test_signature_matches_pytorch():
+def test_signature_matches_pytorch(torch):
     ours = inspect.signature(GradScaler.__init__).parameters
     theirs = inspect.signature(torch.amp.GradScaler.__init__).parameters
     positional = [name for name, p in ours.items() if p.kind is not p.KEYWORD_ONLY]
@@ -590,7 +589,7 @@ def test_get_scale_is_a_python_float_outside_jit_and_an_array_inside():
 # -- checkpoints ------------------------------------------------------------------
 
 
-def test_state_dict_is_pytorchs():
+def test_state_dict_is_pytorchs(torch):
     ours = GradScaler(init_scale=3.0, growth_factor=4.0, backoff_factor=0.5, growth_interval=2)
     theirs = torch.amp.GradScaler(
         "cpu", init_scale=3.0, growth_factor=4.0, backoff_factor=0.5, growth_interval=2
@@ -613,7 +612,7 @@ def test_pytorch_state_dict_test_numbers():
         assert (s1.get_growth_interval(), s1._get_growth_tracker()) == (2, 0)
 
 
-def test_state_dicts_move_between_pytorch_and_jaxscale():
+def test_state_dicts_move_between_pytorch_and_jaxscale(torch):
     torch_scaler = torch.amp.GradScaler(
         "cpu", init_scale=16.0, growth_factor=1.5, growth_interval=3
     )

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from support import machine, third_party
 
@@ -280,7 +279,7 @@ def accumulation_plan():
     return [[(s, m) in {(1, 2), (3, 0)} for m in range(3)] for s in range(5)]
 
 
-def test_facade_accumulation_recipe_matches_pytorch():
+def test_facade_accumulation_recipe_matches_pytorch(torch):
     """PyTorch's recipe: several micro-batches, gradients summed, one step and update. The
     scale stays fixed across micro-batches and an inf in any of them skips the whole step."""
     tx = third_party.optimizer(optax.adam(0.05))

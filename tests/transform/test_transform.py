@@ -10,7 +10,6 @@ import optax
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 from support import machine, third_party
-from support.torch_reference import update_scale_trajectory
 
 import jaxscale
 
@@ -121,7 +120,7 @@ def scripted_run(tx, script, mode):
 
 
 @pytest.mark.parametrize("mode", ["jit", "scan"])
-def test_long_scripted_run_skips_exactly_the_poisoned_steps(mode):
+def test_long_scripted_run_skips_exactly_the_poisoned_steps(mode, torch_reference):
     rng = np.random.default_rng(5)
     script = rng.random(300) < 0.2
     tx = jaxscale.grad_scaler(
@@ -129,7 +128,7 @@ def test_long_scripted_run_skips_exactly_the_poisoned_steps(mode):
     )
     history = scripted_run(tx, script, mode)
 
-    expected_scales, expected_trackers = update_scale_trajectory(
+    expected_scales, expected_trackers = torch_reference.update_scale_trajectory(
         2.0**8, script.astype(float), 1.5, 0.3, 7
     )
     scales = np.array([np.asarray(s.scaler.scale) for _, s in history])
