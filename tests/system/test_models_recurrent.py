@@ -200,7 +200,7 @@ def test_every_matmul_of_the_recurrence_runs_in_the_autocast_dtype(name, dtype):
     params, loss = MODELS[name]()
     autocast_loss = jaxscale.autocast(loss, dtype=dtype)
     assert_all_matmuls_in(dtype, jax.make_jaxpr(autocast_loss)(params, X, Y))
-    grads = jax.grad(autocast_loss)(params, X, Y)
+    grads = jax.jit(jax.grad(autocast_loss))(params, X, Y)
     # the backward matmuls too; the gradients come back in the parameters' dtype
     assert_all_matmuls_in(dtype, jax.make_jaxpr(jax.grad(autocast_loss))(params, X, Y))
     assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}

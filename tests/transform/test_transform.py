@@ -29,12 +29,14 @@ def loss_fn(params, x=X):
     return jnp.mean((x @ params["w"] + params["b"][None, :]) ** 2)
 
 
-def assert_close(got, expected):
-    """Equal to 1e-6 relative: for results of two differently compiled programs."""
+def assert_close(got, expected, of_largest=0.0):
+    """Equal to 1e-6 relative: for results of two differently compiled programs. With
+    ``of_largest``, each element may also differ by that fraction of its leaf's largest
+    magnitude (for an update that amplifies a rounding difference in a whole leaf)."""
     for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_allclose(
-            np.asarray(g, np.float64), np.asarray(e, np.float64), rtol=1e-6, atol=1e-12
-        )
+        e = np.asarray(e, np.float64)
+        atol = max(1e-12, of_largest * float(np.abs(e).max(initial=0.0)))
+        np.testing.assert_allclose(np.asarray(g, np.float64), e, rtol=1e-6, atol=atol)
 
 
 def bits(tree):
@@ -426,6 +428,12 @@ def test_params_with_non_array_leaves_and_none_gradients_are_accepted_as_in_opta
 
 # Each optimizer as optax.contrib has it; muon and sophia came after the oldest optax
 # jaxscale supports, which has no such optimizer to test.
+#
+# Muon's Newton-Schulz iteration amplifies rounding: under JAX 0.12 XLA compiles it
+# differently inside the scaler's program than alone (on the same gradients, bit for bit),
+# and the updates differ by 6e-8 where the largest is 5e-3. Its updates are compared to
+# 1e-4 of each leaf's largest; every other optimizer's to 1e-6 of each element.
+OF_LARGEST = {"muon": 1e-4}
 BEYOND_ELEMENTWISE = {
     "muon": ("muon", lambda contrib: contrib.muon(1e-2), {}),
     "schedule_free_adamw": (
@@ -444,14 +452,14 @@ BEYOND_ELEMENTWISE = {
 
 
 @pytest.mark.parametrize(
-    ("make", "extra_args"),
+    ("name", "make", "extra_args"),
     [
-        pytest.param(make, extra_args, id=name)
+        pytest.param(name, make, extra_args, id=name)
         for name, (needs, make, extra_args) in BEYOND_ELEMENTWISE.items()
         if hasattr(optax.contrib, needs)
     ],
 )
-def test_optimizers_whose_update_computes_more_than_elementwise(make, extra_args):
+def test_optimizers_whose_update_computes_more_than_elementwise(name, make, extra_args):
     # Newton-Schulz matmuls (muon), an averaged iterate (schedule-free), global dot
     # products (prodigy), a Hessian estimate from a function of the parameters
     # (sophia), a state driven by an extra argument (reduce_on_plateau).
@@ -468,8 +476,8 @@ def test_optimizers_whose_update_computes_more_than_elementwise(make, extra_args
     grads = jax.grad(loss_fn)(PARAMS)
     reference = jax.jit(functools.partial(inner.update, **extra_args))
     expected, expected_state = reference(grads, inner.init(PARAMS), PARAMS)
-    assert_close(updates, expected)
-    assert_close(new_state.inner_state, expected_state)
+    assert_close(updates, expected, of_largest=OF_LARGEST.get(name, 0.0))
+    assert_close(new_state.inner_state, expected_state, of_largest=OF_LARGEST.get(name, 0.0))
     skipped, skipped_state = step(PARAMS, new_state, True)
     assert bits(skipped_state.inner_state) == bits(new_state.inner_state)
     assert all(np.signbit(np.asarray(u)).all() for u in jax.tree.leaves(skipped))
