@@ -135,6 +135,12 @@ def float32_matmuls_against_pytorch(request):
         yield
 
 
+# a module in which some test takes PyTorch from a fixture compares with it as a whole, as
+# one that imports it does: its other tests check jaxscale against results computed alike
+_TAKES_TORCH = re.compile(r"^def test_\w+\([^)]*\b(?:torch|torch_reference)\b", re.MULTILINE)
+
+
 @functools.cache
 def _compares_with_pytorch(source: pathlib.Path) -> bool:
-    return bool(_NEEDS_TORCH.search(source.read_text()))
+    text = source.read_text()
+    return bool(_NEEDS_TORCH.search(text) or _TAKES_TORCH.search(text))
