@@ -95,6 +95,17 @@ _OPAQUE_WITH_JAXPR = {
 }  # fmt: skip
 _LOWER_ELIGIBLE = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 _HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+
+def _asks_for_a_wider_result(preferred: Any, traced: list[Any]) -> bool:
+    """Whether a matmul's ``preferred_element_type`` is wider than every floating operand
+    it was traced with: half-precision operands with a float32 result, written on
+    purpose (``jnp.matmul`` and ``jnp.einsum`` ask for their operands' own dtype unless
+    told otherwise). Autocast keeps such a result; it lowers the operands only."""
+    widths = [np.dtype(d).itemsize for d in traced if is_floating(d)]
+    return bool(widths) and np.dtype(preferred).itemsize > max(widths)
+
+
 # Elementwise primitives that broadcast an operand with size-1 axes (or a 0-d one)
 # against the others, and whose gradient for it is then a sum over those axes.
 _BROADCASTING_ELEMENTWISE = {
@@ -368,7 +379,11 @@ class Autocaster:
                     for v, t in zip(invals, in_tags, strict=True)
                 ]
                 preferred = params.get("preferred_element_type")
-                if preferred is not None and is_floating(preferred):
+                if (
+                    preferred is not None
+                    and is_floating(preferred)
+                    and not _asks_for_a_wider_result(preferred, traced)
+                ):
                     params["preferred_element_type"] = self.dtype
         elif precision is Precision.FLOAT32:
             invals = [self.cast(v, jnp.float32) if v.dtype in _HALF else v for v in invals]

@@ -246,6 +246,44 @@ def test_float64_is_left_alone_as_pytorch_does():
     assert (mm.dtype, ex.dtype) == (F64, F64)
 
 
+def _dot_f32_result(x, w):  # half-precision operands, a float32 result asked for
+    return lax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+
+
+def _dot_general_of(fn, *args):
+    (eqn,) = [e for e in jax.make_jaxpr(fn)(*args).eqns if e.primitive.name == "dot_general"]
+    return [v.aval.dtype for v in eqn.invars], eqn.params["preferred_element_type"]
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("operands", [F16, BF16])
+def test_a_float32_result_asked_of_half_precision_operands_stays_float32(operands, dtype):
+    # A float32 result of float16 or bfloat16 operands is written on purpose (JAX's own
+    # dot_product_attention asks for its logits so): autocast lowers the operands to
+    # its dtype and keeps the result the function asked for
+    x, w = A.astype(operands), B.astype(operands)
+    fn = jaxscale.autocast(_dot_f32_result, dtype=dtype)
+    assert _dot_general_of(fn, x, w) == ([dtype, dtype], F32)
+    expected = _dot_f32_result(x.astype(dtype), w.astype(dtype))
+    np.testing.assert_array_equal(fn(x, w), expected)
+    einsum = jaxscale.autocast(
+        lambda x, w: jnp.einsum("ij,jk->ik", x, w, preferred_element_type=F32), dtype=dtype
+    )
+    assert einsum(x, w).dtype == F32
+    grads = jax.grad(lambda x, w: fn(x, w).sum(), argnums=(0, 1))(x, w)
+    assert [g.dtype for g in grads] == [operands, operands]
+
+
+def test_a_result_as_wide_as_an_operand_is_the_autocast_dtype_as_in_pytorch():
+    # jnp.matmul of float32 operands asks for float32, and of a float16 and a float32
+    # operand too: the operands' own width, which autocast lowers as PyTorch's matmul
+    assert _dot_general_of(jaxscale.autocast(_dot_f32_result), A, B) == ([F16, F16], F16)
+    mixed = jaxscale.autocast(_dot_f32_result)
+    assert _dot_general_of(mixed, A.astype(F16), B) == ([F16, F16], F16)
+    with third_party.standard_promotion():  # as user code written for it promotes
+        assert jaxscale.autocast(jnp.matmul)(A.astype(F16), B).dtype == F16
+
+
 def test_integers_booleans_and_keys_are_never_touched():
     def fn(x, ids, mask, key):
         noise = jax.random.normal(key, x.shape)
