@@ -284,6 +284,20 @@ def test_a_result_as_wide_as_an_operand_is_the_autocast_dtype_as_in_pytorch():
         assert jaxscale.autocast(jnp.matmul)(A.astype(F16), B).dtype == F16
 
 
+@pytest.mark.parametrize("integers", [jnp.int8, jnp.int32])
+def test_an_integer_operand_does_not_count_in_how_wide_a_result_is_asked(integers):
+    # A weight-only quantized matmul: integer weights against float16 activations, a
+    # float32 result asked for. Only the floating operand sets the width the result is
+    # compared with; an int32 operand, as wide as float32, must not make the asked
+    # float32 look like the operands' own width
+    q = (B * 8).astype(integers)
+    fn = jaxscale.autocast(_dot_f32_result)
+    assert _dot_general_of(fn, A.astype(F16), q) == ([F16, integers], F32)
+    np.testing.assert_array_equal(fn(A.astype(F16), q), _dot_f32_result(A.astype(F16), q))
+    # float32 activations are lowered and the result with them, as for two float operands
+    assert _dot_general_of(fn, A, q) == ([F16, integers], F16)
+
+
 def test_integers_booleans_and_keys_are_never_touched():
     def fn(x, ids, mask, key):
         noise = jax.random.normal(key, x.shape)
