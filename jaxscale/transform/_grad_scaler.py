@@ -41,6 +41,30 @@ class GradScalerState(NamedTuple):
     overflow_origin: NonfiniteRecord | None = None
 
 
+def _name_where_the_attribute_is(self: GradScalerState, name: str) -> Any:
+    """``GradScalerState.__getattr__``: only reached for a name that is not a field.
+
+    Code written for the unwrapped optimizer reads its state's attributes
+    (``opt_state.hyperparams`` of ``inject_hyperparams``,
+    ``schedule_free_eval_params(opt_state, params)``): the error names where they
+    now are, and stays an ``AttributeError`` so that ``getattr`` with a default and
+    ``hasattr`` behave as before.
+    """
+    if not name.startswith("__") and hasattr(self.inner_state, name):
+        raise AttributeError(
+            f"GradScalerState has no attribute {name!r}: it wraps the optimizer's state, "
+            f"which has it; read opt_state.inner_state.{name} (and pass "
+            "opt_state.inner_state to helpers written for the unwrapped optimizer)",
+            name=name,
+            obj=self,
+        )
+    raise AttributeError(f"'GradScalerState' object has no attribute {name!r}", name=name, obj=self)
+
+
+# Set after the class: in its body a type checker would accept every attribute name
+setattr(GradScalerState, "__getattr__", _name_where_the_attribute_is)  # noqa: B010
+
+
 def grad_scaler(
     inner: optax.GradientTransformation,
     *,

@@ -530,3 +530,54 @@ def test_gradients_of_another_structure_are_named_when_the_optimizer_fails_on_th
     # a shape mismatch is raised before the optimizer runs
     with pytest.raises(ValueError, match=r"the gradient at \['b'\] has shape \(2,\)"):
         tx.update({"w": jnp.ones((4, 3)), "b": jnp.ones(2)}, opt_state, PARAMS)
+
+
+def test_an_attribute_of_the_wrapped_state_is_named_where_it_now_is():
+    # code written for the unwrapped optimizer reads its state's attributes
+    tx = jaxscale.grad_scaler(optax.inject_hyperparams(optax.adam)(learning_rate=0.1))
+    opt_state = tx.init(PARAMS)
+    with pytest.raises(AttributeError, match=r"read opt_state\.inner_state\.hyperparams") as e:
+        opt_state.hyperparams  # noqa: B018
+    assert e.value.name == "hyperparams"
+    assert float(opt_state.inner_state.hyperparams["learning_rate"]) == pytest.approx(0.1)
+    # still an AttributeError: hasattr and getattr with a default behave as before
+    assert not hasattr(opt_state, "hyperparams")
+    assert getattr(opt_state, "hyperparams", None) is None
+    with pytest.raises(AttributeError, match=r"^'GradScalerState' object has no attribute 'lr'$"):
+        opt_state.lr  # noqa: B018
+    # and the state stays an ordinary pytree and NamedTuple
+    import copy
+    import pickle
+
+    for same in (copy.deepcopy(opt_state), pickle.loads(pickle.dumps(opt_state))):
+        assert jax.tree.structure(same) == jax.tree.structure(opt_state)
+
+
+def test_a_schedule_free_optimizer_evaluates_through_the_inner_state():
+    with third_party.standard_promotion():  # optax's schedule-free code mixes dtypes
+        _schedule_free_steps()
+
+
+def _schedule_free_steps():
+    def scaled_loss(params, opt_state, spike):
+        return jaxscale.scale(loss_fn(params) * spike, opt_state)
+
+    tx = jaxscale.grad_scaler(optax.contrib.schedule_free_adamw(0.1), init_scale=8.0)
+    params, opt_state = PARAMS, tx.init(PARAMS)
+    for spike in (1.0, jnp.inf, 1.0):
+        grads = jax.grad(scaled_loss)(params, opt_state, spike)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    assert int(jaxscale.skipped_steps(opt_state)) == 1
+    evaluated = optax.contrib.schedule_free_eval_params(opt_state.inner_state, params)
+    # the same as the unwrapped optimizer's over the two finite steps
+    plain = optax.contrib.schedule_free_adamw(0.1)
+    plain_params, plain_state = PARAMS, plain.init(PARAMS)
+    for _ in range(2):
+        grads = jax.grad(loss_fn)(plain_params)
+        updates, plain_state = plain.update(grads, plain_state, plain_params)
+        plain_params = optax.apply_updates(plain_params, updates)
+    assert_close(params, plain_params)
+    assert_close(evaluated, optax.contrib.schedule_free_eval_params(plain_state, plain_params))
+    with pytest.raises(AttributeError, match=r"opt_state\.inner_state\.b1"):
+        optax.contrib.schedule_free_eval_params(opt_state, params)
