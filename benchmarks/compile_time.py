@@ -13,8 +13,9 @@ The figure is the median over interleaved
 repeats of the time from a fresh ``jax.jit`` to a compiled executable (tracing,
 lowering and XLA's compilation), split into the time to lower (trace and emit
 StableHLO) and the time XLA compiles.
-Ratios are to the plain step of the same size; the NNX facade's is to the same
-``nnx.Optimizer`` step without loss scaling.
+Ratios are to the plain step of the same size; the NNX facade's, and Optax's
+``apply_if_finite`` inside ``nnx.Optimizer``, to the same ``nnx.Optimizer`` step
+without loss scaling.
 
     python -m benchmarks.compile_time --leaves 100 500 1000
     python -m benchmarks.compile_time --gpu-target h100 --leaves 100 500  # no GPU needed
@@ -83,13 +84,17 @@ def _recipe(make: Callable[[Any], recipes.Recipe]) -> Build:
     return build
 
 
-def _nnx(with_scaler: bool) -> Build:
-    """``nnx.Optimizer`` (with ``jaxscale.GradScaler``): the step as a pure function of
-    the objects' state, as ``nnx.jit`` runs it."""
+def _nnx(with_scaler: bool, if_finite: bool = False) -> Build:
+    """``nnx.Optimizer`` (with ``jaxscale.GradScaler``, or over Optax's
+    ``apply_if_finite``): the step as a pure function of the objects' state, as
+    ``nnx.jit`` runs it."""
 
     def build(params: Any, loss: recipes.Loss) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         model = recipes.ParamLeaves(params)
-        optimizer = nnx.Optimizer(model, optax.adam(recipes.LEARNING_RATE), wrt=nnx.Param)
+        tx = optax.adam(recipes.LEARNING_RATE)
+        if if_finite:
+            tx = optax.apply_if_finite(tx, 10)
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         objects = (model, optimizer, jaxscale.GradScaler()) if with_scaler else (model, optimizer)
         graphdef, state = nnx.split(objects)
         body = recipes.nnx_step(loss, with_scaler)
@@ -111,13 +116,17 @@ VARIANTS: dict[str, Build] = {
     "optax.apply_if_finite": _recipe(recipes.apply_if_finite),
     "nnx.Optimizer": _nnx(with_scaler=False),
     "GradScaler + nnx.Optimizer": _nnx(with_scaler=True),
+    "apply_if_finite + nnx.Optimizer": _nnx(with_scaler=False, if_finite=True),
     "Flax DynamicScale": _recipe(recipes.flax_dynamic_scale),
     "jmp": _recipe(recipes.jmp_loss_scale),
 }
 # Flax's and jmp's recipes take minutes and several GB to compile at 500 leaves.
 SLOW = {"Flax DynamicScale", "jmp"}
 # Each variant's ratio is to the step it adds loss scaling to.
-BASELINES = {"GradScaler + nnx.Optimizer": "nnx.Optimizer"}
+BASELINES = {
+    "GradScaler + nnx.Optimizer": "nnx.Optimizer",
+    "apply_if_finite + nnx.Optimizer": "nnx.Optimizer",
+}
 
 
 def time_compile(
