@@ -20,6 +20,7 @@ import optax
 import pytest
 from flax.training import train_state
 from flax.training.dynamic_scale import DynamicScale
+from support import machine
 
 import jaxscale
 
@@ -102,11 +103,24 @@ def _ported_step(state, batch):
     return new, jaxscale.found_inf(new.opt_state)
 
 
+def _requires_every_rounding():
+    # Both loops round float16 values the same way only where XLA keeps every rounding
+    # a program writes; a GPU's XLA drops some between operations it fuses, and two
+    # programs that fuse differently can then differ in value, or even in whether a
+    # float16 product overflowed.
+    if not machine.keeps_every_rounding():
+        pytest.skip(
+            "compares two programs' float16 roundings: run with "
+            "XLA_FLAGS=--xla_allow_excess_precision=false on this platform"
+        )
+
+
 def _same_to_rounding(ours, theirs):
     np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
 
 
 def test_a_dynamic_scale_loop_ported_to_grad_scaler_trains_alike():
+    _requires_every_rounding()
     sgd = optax.sgd(0.05, momentum=0.9)
     flax_state = _new_state(sgd, DynamicScale())
     ported = _new_state(jaxscale.grad_scaler(sgd))
@@ -214,6 +228,7 @@ def _regression_loss(params, batch):
 
 
 def test_a_jmp_loop_ported_to_grad_scaler_trains_bitwise_alike():
+    _requires_every_rounding()
     rng = np.random.default_rng(1)
     params = {"w": jnp.asarray(rng.normal(size=(4, 2)), F32), "b": jnp.zeros(2, F32)}
     batches = [
