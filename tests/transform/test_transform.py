@@ -1,7 +1,9 @@
 """grad_scaler: the Optax transform, its skip semantics and its composition with optax."""
 
 import contextlib
+import copy
 import functools
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -546,9 +548,6 @@ def test_an_attribute_of_the_wrapped_state_is_named_where_it_now_is():
     with pytest.raises(AttributeError, match=r"^'GradScalerState' object has no attribute 'lr'$"):
         opt_state.lr  # noqa: B018
     # and the state stays an ordinary pytree and NamedTuple
-    import copy
-    import pickle
-
     for same in (copy.deepcopy(opt_state), pickle.loads(pickle.dumps(opt_state))):
         assert jax.tree.structure(same) == jax.tree.structure(opt_state)
 
