@@ -152,36 +152,57 @@ def time_compile(
     return lowered_at - start, time.perf_counter() - lowered_at
 
 
+Timings = tuple[float, float, float, float]
+
+
 def run(
-    leaves: int, size: int, repeats: int, loss: str = "mlp", target: Any = None
-) -> dict[str, tuple[float, float, float]]:
-    """Per variant (Flax's and jmp's only up to ``recipes.MAX_LEAVES_FOR_SLOW`` leaves):
-    (median total seconds, median lower seconds, median compile seconds)."""
+    leaves: int,
+    size: int,
+    repeats: int,
+    loss: str = "mlp",
+    target: Any = None,
+    names: list[str] | None = None,
+) -> dict[str, Timings]:
+    """Per variant (all, or ``names`` with the steps they are compared with; Flax's and
+    jmp's only up to ``recipes.MAX_LEAVES_FOR_SLOW`` leaves): (median total seconds,
+    median lower seconds, median compile seconds, median of each round's ratio of the
+    total to its baseline's). The order of the variants is reversed every other round,
+    so that a drift of the machine's speed within a round favours none."""
     make_params, loss_fn = LOSSES[loss]
     params = make_params(leaves, size)
+    wanted = set(VARIANTS) if names is None else {*names, "plain", *map(BASELINES.get, names)}
     variants = {
         name: build
         for name, build in VARIANTS.items()
-        if leaves <= recipes.MAX_LEAVES_FOR_SLOW or name not in SLOW
+        if name in wanted and (leaves <= recipes.MAX_LEAVES_FOR_SLOW or name not in SLOW)
     }
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     for build in variants.values():  # warm-up: imports, JAX's own caches
         time_compile(build, make_params(2, size), loss_fn, target)
-    for _ in range(repeats):
-        for name, build in variants.items():
-            samples[name].append(time_compile(build, params, loss_fn, target))
+    for round_ in range(repeats):
+        order = list(variants) if round_ % 2 == 0 else list(variants)[::-1]
+        for name in order:
+            samples[name].append(time_compile(variants[name], params, loss_fn, target))
+    totals = {
+        name: [lower + compile_ for lower, compile_ in values] for name, values in samples.items()
+    }
     return {
         name: (
-            statistics.median(lower + compile_ for lower, compile_ in values),
+            statistics.median(totals[name]),
             statistics.median(lower for lower, _ in values),
             statistics.median(compile_ for _, compile_ in values),
+            statistics.median(
+                t / b
+                for t, b in zip(totals[name], totals[BASELINES.get(name, "plain")], strict=True)
+            ),
         )
         for name, values in samples.items()
     }
 
 
-def table(results: dict[int, dict[str, tuple[float, float, float]]]) -> str:
-    names = list(VARIANTS)
+def table(results: dict[int, dict[str, Timings]], per_round: bool = False) -> str:
+    """Ratios of the medians; with ``per_round``, also the median of each round's ratio."""
+    names = [name for name in VARIANTS if any(name in by_name for by_name in results.values())]
     lines = [
         "| leaves | " + " | ".join(names) + " |",
         "|---|" + "---|" * len(names),
@@ -193,9 +214,11 @@ def table(results: dict[int, dict[str, tuple[float, float, float]]]) -> str:
             if name not in by_name:
                 cells.append("-")
                 continue
-            total, lower, _ = by_name[name]
-            baseline = by_name[BASELINES.get(name, "plain")][0]
-            cells.append(f"{total / baseline:.2f}× (lower {lower:.2f} s)")
+            total, lower, _, round_ratio = by_name[name]
+            ratio = f"{total / by_name[BASELINES.get(name, 'plain')][0]:.2f}"
+            if per_round:
+                ratio += f" / {round_ratio:.2f}"
+            cells.append(f"{ratio}× (lower {lower:.2f} s)")
         lines.append(f"| {leaves} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -207,6 +230,12 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--size", type=int, default=20_000, help="elements per quadratic leaf")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--variants", nargs="+", choices=list(VARIANTS), help="only these (and their baselines)"
+    )
+    parser.add_argument(
+        "--per-round", action="store_true", help="also the median of each round's ratio"
+    )
+    parser.add_argument(
         "--gpu-target",
         choices=list(gpu_target.TARGETS),
         help="compile for this GPU instead of the default device, with no GPU here "
@@ -214,8 +243,10 @@ def main(argv: list[str] | None = None) -> str:
     )
     args = parser.parse_args(argv)
     target = gpu_target.device(args.gpu_target) if args.gpu_target else None
-    results = {n: run(n, args.size, args.repeats, args.loss, target) for n in args.leaves}
-    report = table(results)
+    results = {
+        n: run(n, args.size, args.repeats, args.loss, target, args.variants) for n in args.leaves
+    }
+    report = table(results, args.per_round)
     info = machine()
     leaves = "64×64 tanh layers" if args.loss == "mlp" else f"{args.size}-element leaves"
     compiled_for = f", compiled for {args.gpu_target} (no device)" if target else ""
