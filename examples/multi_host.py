@@ -12,16 +12,17 @@ the same code path as N hosts):
 
     python examples/multi_host.py --processes 2
     python examples/multi_host.py --processes 4 --interface transform
+    python examples/multi_host.py --processes 2 --interface facade transform  # one after the other
 
 On N real hosts, run on every host i = 0 .. N-1, with host 0's address as the
 coordinator (any free port):
 
     python examples/multi_host.py --coordinator 10.0.0.1:8476 --num-processes N --process-id i
 
-Each process writes what it saw (per step: scale, skip, growth tracker; at the
-end: a digest of the parameters) as JSON with ``--out``; ``--poison-step`` puts an
-inf into one device's batch on ``--poison-process``; ``--save-at``/``--restore``
-write and resume an Orbax checkpoint.
+Each process writes what it saw as JSON with ``--out``: for each interface trained,
+per step the scale, the skip and the growth tracker, and at the end a digest of the
+parameters. ``--poison-step`` puts an inf into one device's batch on
+``--poison-process``; ``--save-at``/``--restore`` write and resume an Orbax checkpoint.
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-processes", type=int, default=1)
     parser.add_argument("--process-id", type=int, default=0)
     parser.add_argument("--local-devices", type=int, default=2, help="CPU devices per process")
-    parser.add_argument("--interface", choices=INTERFACES, default="facade")
+    parser.add_argument(
+        "--interface", nargs="+", choices=INTERFACES, default=["facade"],
+        help="train with each of these, one after the other, in the same processes",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--poison-step", type=int, default=5)
     parser.add_argument("--poison-process", type=int, default=-1, help="default: the last")
@@ -57,7 +61,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--die-process", type=int, default=-1, help="default: the last")
     parser.add_argument("--heartbeat-timeout", type=int, default=10)
     parser.add_argument("--out", type=pathlib.Path, help="write this process's record here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if len(args.interface) > 1 and (args.save_at is not None or args.restore is not None):
+        parser.error("--save-at and --restore take one --interface")
+    return args
 
 
 # -- launcher: N local processes ---------------------------------------------------------
@@ -69,11 +76,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def without_option(argv: list[str], option: str) -> list[str]:
+    """``argv`` less ``option`` and its value, written as two words or as ``option=value``."""
+    kept, skip_value = [], False
+    for word in argv:
+        if skip_value:
+            skip_value = False
+        elif word == option:
+            skip_value = True
+        elif not word.startswith(option + "="):
+            kept.append(word)
+    return kept
+
+
 def launch(args: argparse.Namespace, argv: list[str], timeout: float = 300.0) -> list[dict]:
     """Run ``args.processes`` copies of this script as one job; return each one's record."""
     port = free_port()
     outdir = pathlib.Path(os.environ.get("MULTI_HOST_OUT", ".")).resolve()
-    forwarded = [a for a in argv if a not in ("--processes", str(args.processes))]
+    forwarded = without_option(argv, "--processes")
     procs, outs = [], []
     for i in range(args.processes):
         out = outdir / f"process{i}.json"
@@ -116,7 +136,32 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         )
     from multi_host_training import Trainer
 
-    trainer = Trainer(args.interface, poison_process=args.poison_process)
+    runs = {
+        name: train(Trainer(name, poison_process=args.poison_process), args)
+        for name in args.interface
+    }
+    record = {
+        "process": jax.process_index(),
+        "processes": jax.process_count(),
+        "devices": jax.device_count(),
+        "runs": runs,
+    }
+    if jax.process_index() == 0:
+        for name, run in runs.items():
+            steps = run["steps"]
+            print(
+                f"{jax.process_count()} processes, {jax.device_count()} devices, "
+                f"{name}: scale {steps[-1]['scale']:g} after {args.steps} steps, "
+                f"{sum(s['found_inf'] for s in steps)} skipped, params {run['params'][:12]}",
+                flush=True,
+            )
+    return record
+
+
+def train(trainer: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """One interface's run: what each step saw, and the parameters it ended with."""
+    import jax
+
     start = 0
     if args.restore is not None:
         start = trainer.restore(args.restore)
@@ -131,22 +176,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         steps.append(trainer.step(step, poisoned=step == args.poison_step))
         if args.save_at == step:
             trainer.save(args.checkpoint_dir, step + 1)
-    record = {
-        "process": jax.process_index(),
-        "processes": jax.process_count(),
-        "devices": jax.device_count(),
-        "steps": steps,
-        "params": trainer.digest(),
-        "parameters": trainer.parameters(),
-    }
-    if jax.process_index() == 0:
-        print(
-            f"{jax.process_count()} processes, {jax.device_count()} devices, "
-            f"{args.interface}: scale {steps[-1]['scale']:g} after {args.steps} steps, "
-            f"{sum(s['found_inf'] for s in steps)} skipped, params {record['params'][:12]}",
-            flush=True,
-        )
-    return record
+    return {"steps": steps, "params": trainer.digest(), "parameters": trainer.parameters()}
 
 
 def main(argv: list[str] | None = None) -> list[dict] | dict:
@@ -154,7 +184,7 @@ def main(argv: list[str] | None = None) -> list[dict] | dict:
     args = parse(argv)
     if args.processes:
         records = launch(args, argv)
-        same = len({(json.dumps(r.get("steps")), r.get("params")) for r in records}) == 1
+        same = len({json.dumps(r.get("runs"), sort_keys=True) for r in records}) == 1
         print(f"every process saw the same scales, skips and parameters: {same}")
         return records
     record = worker(args)

@@ -78,45 +78,75 @@ def assert_identical_everywhere(records):
     assert [r["process"] for r in records] == list(range(len(records)))
     first = records[0]
     for other in records[1:]:
-        assert other["steps"] == first["steps"]
-        assert other["params"] == first["params"]  # every replicated array, bit for bit
+        for interface, run in first["runs"].items():
+            assert other["runs"][interface]["steps"] == run["steps"], interface
+            # every replicated array, bit for bit
+            assert other["runs"][interface]["params"] == run["params"], interface
 
 
-@pytest.mark.parametrize("interface", ["facade", "transform", "trainstate", "shard_map"])
-def test_two_processes_skip_and_back_off_together(run, multi_host, tmp_path, interface):
-    records = run("--processes", "2", "--interface", interface, "--poison-step", "5")
+def test_two_processes_skip_and_back_off_together(run, multi_host, tmp_path):
+    # Every interface in one job (and one reference job), trained one after the other
+    # in the same processes: a process and its collectives are started once.
+    interfaces = list(multi_host.INTERFACES)
+    records = run("--processes", "2", "--interface", *interfaces, "--poison-step", "5")
     assert_identical_everywhere(records)
-    steps = records[0]["steps"]
     assert records[0]["devices"] == 4
-    assert [s["found_inf"] for s in steps] == [i == POISON_STEP for i in range(12)]
-    assert [s["scale"] for s in steps] == EXPECTED_SCALES
+    assert list(records[0]["runs"]) == interfaces
     # the same job on one process of four devices takes the same decisions
-    alone = single_process(multi_host, tmp_path, "--interface", interface)
-    assert alone["steps"] == steps
-    np.testing.assert_allclose(alone["parameters"], records[0]["parameters"], rtol=1e-5)
+    alone = single_process(multi_host, tmp_path, "--interface", *interfaces)
+    for interface in interfaces:
+        steps = records[0]["runs"][interface]["steps"]
+        found_inf = [s["found_inf"] for s in steps]
+        assert found_inf == [i == POISON_STEP for i in range(12)], interface
+        assert [s["scale"] for s in steps] == EXPECTED_SCALES, interface
+        assert alone["runs"][interface]["steps"] == steps, interface
+        np.testing.assert_allclose(
+            alone["runs"][interface]["parameters"],
+            records[0]["runs"][interface]["parameters"],
+            rtol=1e-5,
+            err_msg=interface,
+        )
 
 
 def test_four_processes(run):
     records = run("--processes", "4", "--steps", "8", "--poison-process", "2")
     assert_identical_everywhere(records)
     assert records[0]["devices"] == 8
-    assert [s["found_inf"] for s in records[0]["steps"]] == [i == POISON_STEP for i in range(8)]
+    steps = records[0]["runs"]["facade"]["steps"]
+    assert [s["found_inf"] for s in steps] == [i == POISON_STEP for i in range(8)]
 
 
 def test_a_checkpoint_of_the_job_resumes_bit_identically(run, multi_host, tmp_path):
-    straight = run("--processes", "2")
+    # One straight run of twelve steps writes the checkpoint after step 6 on its way.
+    straight = run("--processes", "2", "--save-at", "6")
     assert_identical_everywhere(straight)
-    first_half = run("--processes", "2", "--steps", "7", "--save-at", "6")
-    assert_identical_everywhere(first_half)
     resumed = run("--processes", "2", "--restore", str(tmp_path / "ckpt" / "7"))
     assert_identical_everywhere(resumed)
-    assert resumed[0]["params"] == straight[0]["params"]
-    assert resumed[0]["steps"] == straight[0]["steps"][7:]
+    straight_run, resumed_run = straight[0]["runs"]["facade"], resumed[0]["runs"]["facade"]
+    assert resumed_run["params"] == straight_run["params"]
+    assert resumed_run["steps"] == straight_run["steps"][7:]
     # into a single process: the same decisions; the cross-device sums run in another
     # order (in-process rather than gloo), so parameters agree to float32 rounding
     alone = single_process(multi_host, tmp_path, "--restore", str(tmp_path / "ckpt" / "7"))
-    assert alone["steps"] == straight[0]["steps"][7:]
-    np.testing.assert_allclose(alone["parameters"], straight[0]["parameters"], rtol=1e-5)
+    alone_run = alone["runs"]["facade"]
+    assert alone_run["steps"] == straight_run["steps"][7:]
+    np.testing.assert_allclose(alone_run["parameters"], straight_run["parameters"], rtol=1e-5)
+
+
+def test_save_and_restore_take_one_interface(multi_host, capsys):
+    for option in (["--save-at", "3"], ["--restore", "ckpt/4"]):
+        with pytest.raises(SystemExit):
+            multi_host.parse(["--interface", "facade", "transform", *option])
+        assert "take one --interface" in capsys.readouterr().err
+
+
+def test_the_launcher_forwards_every_option_but_the_process_count(multi_host):
+    argv = ["--processes", "2", "--poison-process", "2", "--steps", "2"]
+    assert multi_host.without_option(argv, "--processes") == argv[2:]
+    assert multi_host.without_option(["--processes=4", "--steps", "4"], "--processes") == [
+        "--steps",
+        "4",
+    ]
 
 
 def test_a_process_that_dies_stops_the_others_with_jaxs_error(run):
