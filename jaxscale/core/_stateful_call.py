@@ -107,10 +107,40 @@ class StatefulCall:
             new_state = jax.tree.leaves(state)
         return output, new_state
 
-    def write_back(self, new_state_leaves: list[Any]) -> None:
-        if self._nodes:
-            state = jax.tree.unflatten(self._state_treedef, new_state_leaves)
-            _nnx().update(self._nodes, state)
+    def write_back(self, new_state_leaves: list[Any], written: list[bool] | None = None) -> None:
+        """Update the original objects with ``new_state_leaves``; where ``written`` is
+        given, only the variables with a leaf marked there.
+
+        A variable the call only read is left alone. Flax refuses any write to a
+        variable created outside the JAX trace that is running, even of its own value,
+        so writing it back would fail where the call without jaxscale works: a module
+        closed over by a ``jax.jit`` function, which reads its parameters.
+        """
+        if not self._nodes:
+            return
+        state = jax.tree.unflatten(self._state_treedef, new_state_leaves)
+        if written is not None and not all(written):
+            if not any(written):
+                return
+            paths = jax.tree_util.tree_flatten_with_path(state)[0]
+            written_paths = {
+                _variable_path(path)
+                for (path, _), was_written in zip(paths, written, strict=True)
+                if was_written
+            }
+            state = _nnx().filter_state(state, lambda path, _: tuple(path) in written_paths)
+        _nnx().update(self._nodes, state)
+
+
+def _variable_path(path: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The path of the NNX variable that holds a leaf of a ``State``: the keys of the
+    state's nested mappings, without the key into the variable itself (its ``value``)."""
+    keys = []
+    for key in path:
+        if not isinstance(key, jax.tree_util.DictKey):
+            break
+        keys.append(key.key)
+    return tuple(keys)
 
 
 def _argument_path(path: tuple[Any, ...]) -> str:
@@ -146,8 +176,15 @@ class TracedCall:
         self.input_paths = [*self._call.state_paths, *self._call.array_paths]
         self.state_dtypes = [s.dtype for s in state_shape]
         self._out_leaves, self._out_tree = jax.tree.flatten(out_shape)
+        # A state leaf that the jaxpr returns as it took it was only read.
+        jaxpr = self.closed.jaxpr
+        state_outs = jaxpr.outvars[len(self._out_leaves) :]
+        self._written = [
+            out is not given
+            for out, given in zip(state_outs, jaxpr.invars[: len(state_outs)], strict=True)
+        ]
 
     def finish(self, outs: list[Any]) -> Any:
         results, new_state = outs[: len(self._out_leaves)], outs[len(self._out_leaves) :]
-        self._call.write_back(new_state)
+        self._call.write_back(new_state, self._written)
         return jax.tree.unflatten(self._out_tree, results)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import re
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -227,6 +228,38 @@ def test_nnx_state_written_during_the_call_lands_in_the_module(mode):
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-2, atol=1e-3, err_msg=key)
     assert not np.array_equal(got["['norm']['mean'].value"], np.zeros(4))  # statistics moved
     assert got["['drop']['rngs']['count'].value"] == 2  # the RNG counter advanced twice
+
+
+def test_a_module_closed_over_by_jax_jit_is_read_as_without_autocast():
+    # A module the function only reads may be closed over by jax.jit, as without
+    # autocast: autocast writes back only what the call wrote.
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    kernel = model.kernel.get_value()
+    plain = jax.jit(lambda x: model(x))(X)
+    cast = jax.jit(lambda x: jaxscale.autocast(model)(x))(X)
+    assert plain.dtype == F32
+    assert cast.dtype == F16
+    np.testing.assert_array_equal(cast, jaxscale.autocast(model)(X))
+    assert model.kernel.get_value() is kernel  # not rewritten, even with its own value
+
+    # A module that writes its state there is refused by Flax, with or without autocast.
+    norm = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+    for call in (norm, jaxscale.autocast(norm)):
+        with pytest.raises(flax.errors.TraceContextError, match="BatchStat"):
+            jax.jit(lambda x, call=call: call(x))(X)
+
+
+def test_only_the_variables_the_call_wrote_are_replaced():
+    norm = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+    scale, mean = norm.scale.get_value(), norm.mean.get_value()
+    x = jax.random.normal(jax.random.key(2), (8, 4))
+    jaxscale.autocast(norm)(x)
+    assert norm.scale.get_value() is scale  # a parameter the call read
+    assert norm.mean.get_value() is not mean  # a statistic it wrote
+    reference = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+    reference(x)
+    np.testing.assert_array_equal(norm.mean.get_value(), reference.mean.get_value())
+    np.testing.assert_array_equal(norm.var.get_value(), reference.var.get_value())
 
 
 def test_a_module_a_bound_method_and_a_decorated_method():

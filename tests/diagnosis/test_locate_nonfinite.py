@@ -213,6 +213,15 @@ def test_an_nnx_module_parameter_is_named_by_its_attribute_path():
     assert report.describe().endswith(": inf (float32)")
 
 
+def test_a_module_closed_over_by_jax_jit():
+    # read only, as a plain call may: its parameters are not written back
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    model.kernel[...] = model.kernel[...].at[1, 1].set(jnp.inf)
+    out, report = jax.jit(lambda x: jaxscale.locate_nonfinite(model)(x))(X)
+    np.testing.assert_array_equal(out, model(X))
+    assert report.describe().startswith("argument <fn>['kernel']")
+
+
 # -- the backward pass ---------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax import lax
 from support import machine
 
@@ -45,6 +46,17 @@ def test_operand_and_output_ranges_of_a_float16_matmul():
     # outputs 600, -2, 3e-4 and -2e-6: the last below float16's smallest normal, 6.1e-5
     assert figures["underflow"] == 0.25
     assert figures["overflow"] == 0.0
+
+
+def test_a_module_closed_over_by_jax_jit():
+    # read only, as a plain call may: its parameters are not written back
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    x = jnp.array([[1.0, 1.0], [1e-6, 0.0]], F32)
+    out, stats = jax.jit(lambda x: jaxscale.precision_stats(jaxscale.autocast(model))(x))(x)
+    np.testing.assert_array_equal(out, jaxscale.autocast(model)(x))
+    (key,) = stats
+    assert key.endswith("dot_general forward (float16)")
+    assert values(stats)[key]["lhs_amax"] == 1.0
 
 
 def test_overflow_fraction_and_the_finite_amax():
