@@ -242,6 +242,17 @@ def test_a_module_closed_over_by_jax_jit_is_read_as_without_autocast():
     np.testing.assert_array_equal(cast, jaxscale.autocast(model)(X))
     assert model.kernel.get_value() is kernel  # not rewritten, even with its own value
 
+    # A frozen teacher closed over by an nnx.jit step that trains a student (distillation).
+    student = nnx.Linear(4, 2, rngs=nnx.Rngs(1))
+
+    @nnx.jit
+    def distance(student, x):
+        return jnp.sum((jaxscale.autocast(student)(x) - jaxscale.autocast(model)(x)) ** 2)
+
+    grads = nnx.grad(distance)(student, X)
+    assert grads["kernel"].get_value().dtype == F32
+    assert model.kernel.get_value() is kernel
+
     # A module that writes its state there is refused by Flax, with or without autocast.
     norm = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
     for call in (norm, jaxscale.autocast(norm)):
