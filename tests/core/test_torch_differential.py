@@ -55,55 +55,70 @@ def random_init_scale(rng):
     return float(np.float32(np.exp(rng.uniform(np.log(1e-30), np.log(1e30)))))
 
 
-def jax_trajectories(init_scales, found_infs, growth, backoff, interval):
-    def one_sequence(init_scale, flags):
-        state = init_scaler_state(1.0)._replace(scale=init_scale)
+def jax_trajectories(rules, init_scales, found_infs):
+    """Every rule's sequences through :func:`jaxscale.update_scale`, in one program: a
+    rule's factors and interval are constants of its program, and one compile of
+    all of them costs less than one compile each."""
 
-        def body(state, found_inf):
-            state = update_scale(
-                state,
-                found_inf,
-                growth_factor=growth,
-                backoff_factor=backoff,
-                growth_interval=interval,
-            )
-            return state, (state.scale, state.growth_tracker)
+    def trajectories(init_scales, found_infs):
+        out = []
+        for (growth, backoff, interval), inits, flags in zip(
+            rules, init_scales, found_infs, strict=True
+        ):
 
-        return jax.lax.scan(body, state, flags)[1]
+            def one_sequence(init_scale, flags, growth=growth, backoff=backoff, interval=interval):
+                state = init_scaler_state(1.0)._replace(scale=init_scale)
 
-    return jax.jit(jax.vmap(one_sequence))(jnp.asarray(init_scales), jnp.asarray(found_infs))
+                def body(state, found_inf):
+                    state = update_scale(
+                        state,
+                        found_inf,
+                        growth_factor=growth,
+                        backoff_factor=backoff,
+                        growth_interval=interval,
+                    )
+                    return state, (state.scale, state.growth_tracker)
+
+                return jax.lax.scan(body, state, flags)[1]
+
+            out.append(jax.vmap(one_sequence)(inits, flags))
+        return out
+
+    return jax.jit(trajectories)(jnp.asarray(init_scales), jnp.asarray(found_infs))
 
 
 @pytest.mark.randomized
 def test_random_update_sequences_match_pytorch_bit_for_bit():
     rng = np.random.default_rng(2024)
+    rules, init_scales, found_infs = [], [], []
+    for _ in range(RULES):
+        rules.append(random_rule(rng))
+        init_scales.append([random_init_scale(rng) for _ in range(SEQUENCES_PER_RULE)])
+        probabilities = rng.uniform(0.0, 0.8, SEQUENCES_PER_RULE)
+        found_infs.append(rng.random((SEQUENCES_PER_RULE, STEPS)) < probabilities[:, None])
+    init_scales = np.array(init_scales, np.float32)
+    found_infs = np.array(found_infs)
+    trajectories = jax_trajectories(rules, init_scales, found_infs)
     sequences = mismatches = growths = backoffs = 0
     rounding_differs_from_float32 = 0
-    for _ in range(RULES):
-        growth, backoff, interval = random_rule(rng)
-        init_scales = np.array(
-            [random_init_scale(rng) for _ in range(SEQUENCES_PER_RULE)], np.float32
-        )
-        probabilities = rng.uniform(0.0, 0.8, SEQUENCES_PER_RULE)
-        found_infs = rng.random((SEQUENCES_PER_RULE, STEPS)) < probabilities[:, None]
-        scales, trackers = (
-            np.asarray(a)
-            for a in jax_trajectories(init_scales, found_infs, growth, backoff, interval)
-        )
+    for r, (growth, backoff, interval) in enumerate(rules):
+        scales, trackers = (np.asarray(a) for a in trajectories[r])
         for i in range(SEQUENCES_PER_RULE):
             expected_scales, expected_trackers = torch_reference.update_scale_trajectory(
-                float(init_scales[i]), found_infs[i].astype(float), growth, backoff, interval
+                float(init_scales[r, i]), found_infs[r, i].astype(float), growth, backoff, interval
             )
             same = (scales[i].view(np.uint32) == expected_scales.view(np.uint32)).all()
             same &= (trackers[i] == expected_trackers).all()
             mismatches += int(not same)
             sequences += 1
-            previous = np.concatenate([[init_scales[i]], expected_scales[:-1]])
+            previous = np.concatenate([[init_scales[r, i]], expected_scales[:-1]])
             growths += int((expected_scales > previous).sum())
             backoffs += int((expected_scales < previous).sum())
             with np.errstate(over="ignore"):
                 naive = np.where(
-                    found_infs[i], previous * np.float32(backoff), previous * np.float32(growth)
+                    found_infs[r, i],
+                    previous * np.float32(backoff),
+                    previous * np.float32(growth),
                 )
             changed = expected_scales != previous
             rounding_differs_from_float32 += int((changed & (naive != expected_scales)).sum())
