@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -172,7 +173,13 @@ class TracedCall:
         self.closed, (out_shape, state_shape) = jax.make_jaxpr(
             self._call.call_with, return_shape=True
         )(self._call.state_leaves, self._call.array_leaves)
-        self.inputs = [*self._call.state_leaves, *self._call.array_leaves]
+        # A variable may hold a Python number, which the trace took as a weakly typed
+        # array: the evaluation is given that array.
+        state_inputs = [
+            jnp.asarray(leaf) if isinstance(leaf, (bool, int, float, complex)) else leaf
+            for leaf in self._call.state_leaves
+        ]
+        self.inputs = [*state_inputs, *self._call.array_leaves]
         self.input_paths = [*self._call.state_paths, *self._call.array_paths]
         self.state_dtypes = [s.dtype for s in state_shape]
         self._out_leaves, self._out_tree = jax.tree.flatten(out_shape)

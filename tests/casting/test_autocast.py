@@ -260,6 +260,30 @@ def test_a_module_closed_over_by_jax_jit_is_read_as_without_autocast():
             jax.jit(lambda x, call=call: call(x))(X)
 
 
+class Tempered(nnx.Module):
+    """A module holding a Python number in a variable (a temperature, a step count)."""
+
+    def __init__(self):
+        self.linear = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+        self.temperature = nnx.Variable(2.0)
+
+    def __call__(self, x):
+        return self.linear(x) / self.temperature.get_value()
+
+
+def test_a_variable_holding_a_python_number():
+    model = Tempered()
+    expected = jaxscale.autocast(lambda x: model.linear(x) / 2.0)(X)
+    out = jaxscale.autocast(model)(X)
+    assert out.dtype == F16
+    np.testing.assert_array_equal(out, expected)
+    assert model.temperature.get_value() == 2.0
+    assert isinstance(model.temperature.get_value(), float)  # read only: left as it was
+    np.testing.assert_array_equal(nnx.jit(lambda m, x: jaxscale.autocast(m)(x))(model, X), out)
+    _, report = jaxscale.locate_nonfinite(model)(X)
+    assert not report.found
+
+
 def test_only_the_variables_the_call_wrote_are_replaced():
     norm = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
     scale, mean = norm.scale.get_value(), norm.mean.get_value()
