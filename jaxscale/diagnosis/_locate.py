@@ -217,7 +217,9 @@ def locate_nonfinite(fn: F) -> Callable[..., tuple[Any, NonfiniteReport]]:
     NaN where none of its floating inputs held one, or an infinity where none of
     its inputs held one (an intended ``-inf`` mask is no origin; the
     ``-inf - (-inf)`` of a fully masked softmax row is). A non-finite value already
-    in an argument is reported as the origin ``argument`` with its path. The search
+    in an argument is reported as the origin ``argument`` with its path, and one in
+    an array the function closes over (a batch captured by a ``lambda``) as
+    ``closed-over`` with its shape. The search
     reaches inside nested ``jit``, ``scan``, ``fori_loop``/``while_loop`` (with the
     iteration: how many iterations the innermost loop had run), ``cond``/``switch``
     (the branch taken), ``checkpoint``/``remat``, the rules of ``custom_jvp`` and
@@ -248,17 +250,24 @@ def locate_nonfinite(fn: F) -> Callable[..., tuple[Any, NonfiniteReport]]:
         call = TracedCall(fn, args, kwargs)
         locator = Locator()
         record = empty_record()
-        floating = [
-            (path, value)
+        closed = call.closed
+        # The inputs, then the arrays the function closes over: a non-finite value
+        # already there is the origin, not the first operation it turns into a NaN.
+        inputs = [
+            Origin("argument", str(value.dtype), path=path)
             for path, value in zip(call.input_paths, call.inputs, strict=True)
             if is_floating(value)
+        ] + [
+            Origin("closed-over", str(value.dtype), shape=tuple(np.shape(value)))
+            for value in closed.consts
+            if is_floating(value)
         ]
-        codes = nonfinite_codes([value for _, value in floating])  # checked together
-        for (path, value), code in zip(floating, codes, strict=True):
-            entry = locator.add(Origin("argument", str(value.dtype), path=path))
+        values = [value for value in [*call.inputs, *closed.consts] if is_floating(value)]
+        codes = nonfinite_codes(values)  # checked together
+        for origin, code in zip(inputs, codes, strict=True):
+            entry = locator.add(origin)
             kind = jnp.where(jnp.bitwise_and(code, NAN) != 0, NAN, INF)
             record = keep_first(record, code != 0, entry, NOT_IN_A_LOOP, kind)
-        closed = call.closed
         outs, record = locator.eval(
             closed.jaxpr, closed.consts, call.inputs, record, NOT_IN_A_LOOP,
             backward_outputs=None,

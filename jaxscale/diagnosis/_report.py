@@ -31,10 +31,13 @@ _KIND_WORDS = {INF: "inf", NAN: "nan"}
 class Origin:
     """One entry of the table: where a non-finite value can be born.
 
-    ``source`` is ``"argument"`` or ``"operation"``. For an argument, ``path`` is
-    its ``jax.tree_util.keystr`` path among the call's arguments; for an
-    operation, ``primitive`` names it, ``phase`` is ``"forward"`` or ``"backward"``
-    and ``location`` gives the user's line. ``dtype`` is the value's dtype.
+    ``source`` is ``"argument"``, ``"closed-over"`` or ``"operation"``. For an
+    argument, ``path`` is its ``jax.tree_util.keystr`` path among the call's
+    arguments; a closed-over value (an array the function uses without taking it as
+    an argument, such as a batch captured by a ``lambda``) has no path, and is
+    told apart by its ``shape``; for an operation, ``primitive`` names it,
+    ``phase`` is ``"forward"`` or ``"backward"`` and ``location`` gives the user's
+    line. ``dtype`` is the value's dtype.
     """
 
     source: str
@@ -43,10 +46,13 @@ class Origin:
     primitive: str = ""
     phase: str = ""
     location: Location = dataclasses.field(default_factory=lambda: Location("", "", ""))
+    shape: tuple[int, ...] = ()
 
     def text(self) -> str:
         if self.source == "argument":
             return f"argument {self.path}"
+        if self.source == "closed-over":
+            return f"a value the function closes over, shape {self.shape}"
         return f"{self.phase} {self.primitive} at {self.location.text()}"
 
 
@@ -103,7 +109,8 @@ class NonfiniteReport:
         """One line for a log, read on the host: what was born where.
 
         ``"backward dot_general at model.py:88 (in flax/nnx/nn/linear.py:233),
-        iteration 5: inf (float16)"``; ``"argument [0]['b']: nan (float32)"``; or
+        iteration 5: inf (float16)"``; ``"argument [0]['b']: nan (float32)"``;
+        ``"a value the function closes over, shape (32, 8): inf (float32)"``; or
         ``"no inf or NaN was born in this call"``.
         """
         if isinstance(self.record.found, jax.core.Tracer):

@@ -205,6 +205,31 @@ def test_a_non_finite_argument_is_the_origin_with_its_path():
     assert (origin.source, origin.path, origin.dtype) == ("argument", "[0]['b']", "float32")
 
 
+def loss_of_batch(w, x):
+    return jnp.sum(jnp.tanh(x @ w) - jnp.mean(x @ w))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_non_finite_value_the_function_closes_over_is_the_origin(jit):
+    # The batch captured by the lambda that jax.grad differentiates: its inf, not the
+    # backward matmul's 0 * inf it turns into, is the origin.
+    batch = X.at[1, 2].set(jnp.inf)
+
+    def step(w, x):
+        return jaxscale.locate_nonfinite(jax.grad(lambda w: loss_of_batch(w, x)))(w)
+
+    grads, report = (jax.jit(step) if jit else step)(W, batch)
+    assert report.describe() == "a value the function closes over, shape (2, 4): inf (float32)"
+    origin = report.origin()
+    assert (origin.source, origin.shape, origin.dtype) == ("closed-over", (2, 4), "float32")
+    np.testing.assert_array_equal(grads, jax.grad(loss_of_batch)(W, batch))
+    # a NaN, and a finite value: nothing closed over is reported
+    _, report = step(W, X.at[0, 0].set(jnp.nan))
+    assert report.describe().endswith("shape (2, 4): nan (float32)")
+    _, report = step(W, X)
+    assert not bool(report.found)
+
+
 def test_an_nnx_module_parameter_is_named_by_its_attribute_path():
     model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
     model.kernel[...] = model.kernel[...].at[1, 1].set(jnp.inf)
