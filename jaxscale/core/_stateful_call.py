@@ -16,6 +16,7 @@ jax alone.
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -170,9 +171,13 @@ class TracedCall:
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
         self._call = StatefulCall(fn, args, kwargs)
-        self.closed, (out_shape, state_shape) = jax.make_jaxpr(
-            self._call.call_with, return_shape=True
-        )(self._call.state_leaves, self._call.array_leaves)
+        try:
+            self.closed, (out_shape, state_shape) = jax.make_jaxpr(
+                self._call.call_with, return_shape=True
+            )(self._call.state_leaves, self._call.array_leaves)
+        except jax.errors.ConcretizationTypeError as error:
+            error.add_note(self._concrete_value_note(str(error)))
+            raise
         # A variable may hold a Python number, which the trace took as a weakly typed
         # array: the evaluation is given that array.
         state_inputs = [
@@ -190,6 +195,23 @@ class TracedCall:
             out is not given
             for out, given in zip(state_outs, jaxpr.invars[: len(state_outs)], strict=True)
         ]
+
+    def _concrete_value_note(self, message: str) -> str:
+        """What a user calling the function eagerly needs to know when it wanted the
+        concrete value of an array argument: which one, and why it has none."""
+        found = re.search(r"argument (array|state)_leaves\[(\d+)\]", message)
+        which = "an array argument"
+        if found:
+            paths = self._call.array_paths if found[1] == "array" else self._call.state_paths
+            index = int(found[2])
+            if index < len(paths):
+                which = f"the array argument {paths[index]}"
+        return (
+            f"jaxscale traces the function it wraps to a jaxpr, as jax.jit does, so {which} "
+            "has no concrete value while it runs, even when called eagerly: a value that "
+            "decides Python control flow (if, int(), a shape) is passed as a Python number "
+            "or bool, not as an array; or use jax.lax.cond / jnp.where."
+        )
 
     def finish(self, outs: list[Any]) -> Any:
         results, new_state = outs[: len(self._out_leaves)], outs[len(self._out_leaves) :]

@@ -297,6 +297,27 @@ def test_only_the_variables_the_call_wrote_are_replaced():
     np.testing.assert_array_equal(norm.var.get_value(), reference.var.get_value())
 
 
+def flagged(w, x, flag):
+    if flag:
+        return x @ w
+    return -(x @ w)
+
+
+def test_an_array_that_decides_control_flow_is_named_when_tracing_fails():
+    # Called eagerly, the plain function reads the flag's value; autocast traces the
+    # function, as jit does, so JAX's error is kept and told which argument it was.
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    assert flagged(w, x, jnp.array(True)).dtype == F32
+    with pytest.raises(jax.errors.TracerBoolConversionError) as raised:
+        jaxscale.autocast(flagged)(w, x, jnp.array(True))
+    assert any("the array argument [2] has no concrete value" in n for n in raised.value.__notes__)
+    with pytest.raises(jax.errors.TracerBoolConversionError) as raised:
+        jaxscale.locate_nonfinite(flagged)(w, x, flag=jnp.array(True))
+    assert any("the array argument ['flag']" in note for note in raised.value.__notes__)
+    # as a Python bool it is static
+    assert jaxscale.autocast(flagged)(w, x, True).dtype == F16
+
+
 def test_a_module_a_bound_method_and_a_decorated_method():
     model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
     assert jaxscale.autocast(model)(X).dtype == F16
