@@ -39,9 +39,9 @@ class StatefulCall:
     """``fn(*args, **kwargs)`` with the graph nodes among them held apart as state.
 
     ``call_with(state_leaves, array_leaves)`` runs the call on copies built from
-    those leaves and returns ``(output, new_state_leaves)``: a pure function of
-    arrays, which can be traced. ``write_back(new_state_leaves)`` updates the
-    original objects.
+    those leaves and returns ``(output_arrays, new_state_leaves)``: a pure function
+    of arrays, which can be traced; ``output(output_arrays)`` is the call's result.
+    ``write_back(new_state_leaves)`` updates the original objects.
     """
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
@@ -107,7 +107,24 @@ class StatefulCall:
         if self._nodes:
             _, state = _nnx().split(nodes)
             new_state = jax.tree.leaves(state)
-        return output, new_state
+        # Only arrays are outputs of the trace; anything else the call returns (a
+        # string, a Python number) is kept aside and returned as it is.
+        output_leaves, self.output_treedef = jax.tree.flatten(output)
+        self.output_count = len(output_leaves)
+        self.static_outputs = {
+            i: leaf for i, leaf in enumerate(output_leaves) if not _is_array(leaf)
+        }
+        arrays = [leaf for i, leaf in enumerate(output_leaves) if i not in self.static_outputs]
+        return arrays, new_state
+
+    def output(self, arrays: list[Any]) -> Any:
+        """The call's result from its array outputs (after :meth:`call_with` was traced)."""
+        given = iter(arrays)
+        leaves = [
+            self.static_outputs[i] if i in self.static_outputs else next(given)
+            for i in range(self.output_count)
+        ]
+        return jax.tree.unflatten(self.output_treedef, leaves)
 
     def write_back(self, new_state_leaves: list[Any], written: list[bool] | None = None) -> None:
         """Update the original objects with ``new_state_leaves``; where ``written`` is
@@ -187,10 +204,10 @@ class TracedCall:
         self.inputs = [*state_inputs, *self._call.array_leaves]
         self.input_paths = [*self._call.state_paths, *self._call.array_paths]
         self.state_dtypes = [s.dtype for s in state_shape]
-        self._out_leaves, self._out_tree = jax.tree.flatten(out_shape)
+        self._out_count = len(out_shape)
         # A state leaf that the jaxpr returns as it took it was only read.
         jaxpr = self.closed.jaxpr
-        state_outs = jaxpr.outvars[len(self._out_leaves) :]
+        state_outs = jaxpr.outvars[self._out_count :]
         self._written = [
             out is not given
             for out, given in zip(state_outs, jaxpr.invars[: len(state_outs)], strict=True)
@@ -214,6 +231,6 @@ class TracedCall:
         )
 
     def finish(self, outs: list[Any]) -> Any:
-        results, new_state = outs[: len(self._out_leaves)], outs[len(self._out_leaves) :]
+        results, new_state = outs[: self._out_count], outs[self._out_count :]
         self._call.write_back(new_state, self._written)
-        return jax.tree.unflatten(self._out_tree, results)
+        return self._call.output(results)

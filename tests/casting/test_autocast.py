@@ -318,6 +318,20 @@ def test_an_array_that_decides_control_flow_is_named_when_tracing_fails():
     assert jaxscale.autocast(flagged)(w, x, True).dtype == F16
 
 
+def test_what_is_not_an_array_is_returned_as_the_function_returned_it():
+    def step(w, x):
+        return {"y": x @ w, "rows": x.shape[0], "note": "projected", "none": None}
+
+    for transform in (jaxscale.autocast, jaxscale.locate_nonfinite):
+        out = transform(step)(jnp.ones((4, 4)), X)
+        out = out[0] if transform is jaxscale.locate_nonfinite else out
+        assert out["rows"] == X.shape[0]
+        assert type(out["rows"]) is int
+        assert out["note"] == "projected"
+        assert out["none"] is None
+    assert jaxscale.autocast(step)(jnp.ones((4, 4)), X)["y"].dtype == F16
+
+
 def test_a_module_a_bound_method_and_a_decorated_method():
     model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
     assert jaxscale.autocast(model)(X).dtype == F16
