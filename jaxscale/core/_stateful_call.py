@@ -41,7 +41,7 @@ class StatefulCall:
     ``call_with(state_leaves, array_leaves)`` runs the call on copies built from
     those leaves and returns ``(output_arrays, new_state_leaves)``: a pure function
     of arrays, which can be traced; ``output(output_arrays)`` is the call's result.
-    ``write_back(new_state_leaves)`` updates the original objects.
+    ``write_back(new_state_leaves, written)`` updates the original objects.
     """
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
@@ -126,21 +126,19 @@ class StatefulCall:
         ]
         return jax.tree.unflatten(self.output_treedef, leaves)
 
-    def write_back(self, new_state_leaves: list[Any], written: list[bool] | None = None) -> None:
-        """Update the original objects with ``new_state_leaves``; where ``written`` is
-        given, only the variables with a leaf marked there.
+    def write_back(self, new_state_leaves: list[Any], written: list[bool]) -> None:
+        """Update the original objects with ``new_state_leaves``: the variables with a
+        leaf marked in ``written``.
 
         A variable the call only read is left alone. Flax refuses any write to a
         variable created outside the JAX trace that is running, even of its own value,
         so writing it back would fail where the call without jaxscale works: a module
         closed over by a ``jax.jit`` function, which reads its parameters.
         """
-        if not self._nodes:
+        if not self._nodes or not any(written):
             return
         state = jax.tree.unflatten(self._state_treedef, new_state_leaves)
-        if written is not None and not all(written):
-            if not any(written):
-                return
+        if not all(written):
             paths = jax.tree_util.tree_flatten_with_path(state)[0]
             written_paths = {
                 _variable_path(path)

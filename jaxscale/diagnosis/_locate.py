@@ -253,18 +253,17 @@ def locate_nonfinite(fn: F) -> Callable[..., tuple[Any, NonfiniteReport]]:
         closed = call.closed
         # The inputs, then the arrays the function closes over: a non-finite value
         # already there is the origin, not the first operation it turns into a NaN.
-        inputs = [
-            Origin("argument", str(value.dtype), path=path)
+        checked = [
+            (Origin("argument", str(value.dtype), path=path), value)
             for path, value in zip(call.input_paths, call.inputs, strict=True)
             if is_floating(value)
         ] + [
-            Origin("closed-over", str(value.dtype), shape=tuple(np.shape(value)))
+            (Origin("closed-over", str(value.dtype), shape=tuple(np.shape(value))), value)
             for value in closed.consts
             if is_floating(value)
         ]
-        values = [value for value in [*call.inputs, *closed.consts] if is_floating(value)]
-        codes = nonfinite_codes(values)  # checked together
-        for origin, code in zip(inputs, codes, strict=True):
+        codes = nonfinite_codes([value for _, value in checked])  # checked together
+        for (origin, _), code in zip(checked, codes, strict=True):
             entry = locator.add(origin)
             kind = jnp.where(jnp.bitwise_and(code, NAN) != 0, NAN, INF)
             record = keep_first(record, code != 0, entry, NOT_IN_A_LOOP, kind)
