@@ -319,7 +319,7 @@ class Autocaster:
         if is_marked(eqn):
             traced = [v.aval.dtype for v in eqn.invars]
             outvals = bind_in_context(eqn, cast_floating(invals, traced))
-        elif name in HIGHER_ORDER:
+        elif name in HIGHER_ORDER and not is_registered(name):
             outvals, out_tags = HIGHER_ORDER[name](self, eqn, invals, in_tags)
         elif (
             any(contains_jaxpr(p) for p in eqn.params.values())

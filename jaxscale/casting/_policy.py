@@ -302,11 +302,12 @@ _REGISTERED: dict[str, Row] = {}
 
 
 def register_policy(primitive_name: str, precision: Precision, torch_ops: str = "") -> None:
-    """Give a primitive of your own (a Pallas kernel's ``pallas_call``, an ``ffi_call``, a
-    custom primitive) a row of the policy, so that autocast casts its floating inputs
-    as ``precision`` says instead of running it as traced. A registered primitive is
-    treated as one operation even when it holds jaxprs of its own (autocast does not
-    cast inside it). Registering a name again replaces its row.
+    """Give a primitive of your own (an ``ffi_call``, a custom primitive) a row of the
+    policy, so that autocast casts its floating inputs as ``precision`` says instead of
+    running it as traced (a Pallas kernel's ``pallas_call`` runs as traced without
+    one). A registered primitive is treated as one operation even when it holds jaxprs
+    of its own (autocast does not cast inside it), and its row comes before any rule
+    autocast has for the name. Registering a name again replaces its row.
 
     >>> import jaxscale
     >>> from jaxscale.casting import Precision

@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 from jax import lax
 from support import decompositions, third_party
+from support.model_training import equations
 
 import jaxscale
 from jaxscale.casting import AS_TRACED, CPU_POLICY, POLICY, UNSUPPORTED_HIGHER_ORDER, Precision
@@ -411,12 +412,23 @@ import sys
 import jax, jax.numpy, jax.nn, jax.scipy.special, jax.scipy.linalg, jax.random, jax.lax
 import jax.experimental, jax.ad_checkpoint, jax.custom_derivatives, jax.experimental.shard_map
 from jax._src import core
-names = set()
-for module in list(sys.modules.values()):
-    if getattr(module, "__name__", "").startswith("jax"):
-        for value in list(vars(module).values()):
-            if isinstance(value, core.Primitive):
-                names.add(value.name)
+
+
+def primitive_names():
+    names = set()
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("jax"):
+            for value in list(vars(module).values()):
+                if isinstance(value, core.Primitive):
+                    names.add(value.name)
+    return names
+
+
+names = primitive_names()
+# From Pallas only its kernel launch: the operations a kernel is written in (dozens, and
+# different in each release) run inside pallas_call, where autocast never reaches
+import jax.experimental.pallas
+names |= primitive_names() & {"pallas_call"}
 print(" ".join(sorted(names)))
 """
 
@@ -503,6 +515,56 @@ def test_linalg_solve_runs_in_the_dtype_it_was_written_in():
         expected = solve(A, B)
     assert got.dtype == F32
     np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)
+
+
+def _scaled_sum_kernel(x_ref, y_ref, out_ref):
+    # a Pallas kernel written for float32 buffers: 2x + y
+    out_ref[...] = x_ref[...] * 2.0 + y_ref[...]
+
+
+def scaled_sum(x, y):
+    """The kernel above on the CPU (Pallas' interpreter), differentiable by a custom_vjp,
+    as kernels are made differentiable."""
+    from jax.experimental import pallas as pl
+
+    def launch(x, y):
+        out_shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return pl.pallas_call(_scaled_sum_kernel, out_shape=out_shape, interpret=True)(x, y)
+
+    differentiable = jax.custom_vjp(launch)
+    differentiable.defvjp(lambda x, y: (launch(x, y), None), lambda _, g: (2.0 * g, g))
+    return differentiable(x, y)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_pallas_kernel_runs_on_the_dtypes_it_was_written_for(mode):
+    def block(w, x):
+        h = x @ w  # float16 under autocast
+        return scaled_sum(h, jnp.tanh(h)) @ w
+
+    fn = jaxscale.autocast(block)
+    fn = jax.jit(fn) if mode == "jit" else fn
+    got = fn(A, B)
+    assert got.dtype == F16
+    np.testing.assert_allclose(np.asarray(got, F32), block(A, B), rtol=1e-2, atol=1e-2)
+    # the matmuls in float16; the kernel given float32, as it was traced
+    jaxpr = jax.make_jaxpr(jaxscale.autocast(block))(A, B)
+    kernels = [e for e in equations(jaxpr) if e.primitive.name == "pallas_call"]
+    assert len(kernels) == 1
+    assert [str(v.aval.dtype) for v in kernels[0].invars + kernels[0].outvars] == ["float32"] * 3
+    dots = [e for e in equations(jaxpr) if e.primitive.name == "dot_general"]
+    assert {str(e.outvars[0].aval.dtype) for e in dots} == {"float16"}
+
+
+def test_the_gradient_through_a_pallas_kernel_follows_float32():
+    def loss(w, x):
+        h = x @ w
+        return jnp.sum(scaled_sum(h, h) ** 2)
+
+    expected = jax.grad(loss)(A, B)
+    got = jax.jit(jax.grad(lambda w, x: jaxscale.autocast(loss)(w, x).astype(F32)))(A, B)
+    assert got.dtype == F32
+    np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize(

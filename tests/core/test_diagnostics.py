@@ -177,7 +177,8 @@ def test_nonfinite_paths_finds_the_poisoned_layer_of_the_flagship_model():
     model, _, _ = char_lm.build(config, dataset)
     x, y = next(dataset.batches("train", 2, config.seq_len, seed=0))
     with third_party.standard_promotion():
-        grads = nnx.grad(lambda m: char_lm.loss_fn(m, x, y))(model)
+        # under jit: one compilation, where eagerly each operation compiles its own
+        grads = nnx.jit(nnx.grad(lambda m: char_lm.loss_fn(m, x, y)))(model)
     assert jaxscale.nonfinite_paths(grads) == []
     # an overflow in one named layer: the second block's MLP up-projection
     kernel = grads["blocks"][1]["up"]["kernel"]

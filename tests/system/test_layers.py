@@ -6,15 +6,15 @@ The folders of ``jaxscale/`` are the layers. The rules are derived from them:
   ``core/`` imports only from itself;
 * every layer says which third-party libraries it may not import (``LIBRARIES_KEPT_OUT``
   must name every folder, so a new layer cannot arrive without a rule), and each
-  of its modules imports in a fresh interpreter with those libraries blocked.
+  of its modules imports with those libraries blocked, from no jaxscale module at all.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
-import textwrap
 
 import pytest
 from support import paths
@@ -82,55 +82,103 @@ def test_the_scan_of_imports_sees_them():
     assert "jaxscale.facade._iteration" in imported
 
 
-def import_with_blocked(
-    module: str, blocked: tuple[str, ...], *, alone: bool = True
-) -> subprocess.CompletedProcess:
-    """Import ``module`` in a fresh interpreter where importing ``blocked`` fails.
+# Run in a fresh interpreter: imports JAX and NumPy, which no layer keeps out and which
+# take most of an interpreter's start, then forks one child per (module, blocked) pair.
+# Each child blocks its libraries, stands in an empty package for ``jaxscale`` (so that
+# only the module, its folder's ``__init__`` and what they import run, not the package's
+# re-exports of every layer) and imports the module: each import starts from no jaxscale
+# module at all, as in an interpreter of its own. Prints {index: traceback or ""}.
+_IMPORT_EACH = """
+import importlib, json, os, sys, traceback, types
+import jax, numpy
 
-    ``alone``: the ``jaxscale`` package is stood in for by an empty package on the
-    same path, so that only ``module``, its folder's ``__init__`` and what they
-    import run, not the package's top-level re-exports of every layer.
-    """
-    code = textwrap.dedent(f"""
-        import sys, types
-        for name in {blocked!r}:
-            sys.modules[name] = None  # any import of it now fails
-        if {alone!r}:
+package_path, cases = sys.argv[1], json.loads(sys.argv[2])
+assert not any(name.startswith("jaxscale") for name in sys.modules)
+results = {}
+for index, (module, blocked) in enumerate(cases):
+    for name in blocked:
+        assert name not in sys.modules, f"{name} was imported before it was blocked"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            for name in blocked:
+                sys.modules[name] = None  # any import of it now fails
             package = types.ModuleType("jaxscale")
-            package.__path__ = [{str(PACKAGE)!r}]
+            package.__path__ = [package_path]
             sys.modules["jaxscale"] = package
-        import importlib
-        importlib.import_module({module!r})
-    """)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            importlib.import_module(module)
+            message = ""
+        except BaseException:
+            message = traceback.format_exc() or "failed"
+        os.write(write, message.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        results[index] = pipe.read().decode()
+    os.waitpid(pid, 0)
+print(json.dumps(results))
+"""
 
 
-@pytest.mark.parametrize(
-    ("module", "blocked"),
-    [
-        (module, LIBRARIES_KEPT_OUT[layer])
-        for layer in layers()
-        if LIBRARIES_KEPT_OUT[layer]
-        for module in modules_of(layer)
-    ],
-)
-def test_each_module_imports_without_the_libraries_its_layer_keeps_out(module, blocked):
-    result = import_with_blocked(module, blocked)
+def imports_with_blocked(cases: list[tuple[str, tuple[str, ...]]]) -> list[str]:
+    """For each ``(module, blocked)``: the traceback of importing ``module`` where importing
+    any of ``blocked`` fails ("" where it imported), each from no jaxscale module at all."""
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORT_EACH, str(PACKAGE), json.dumps(cases)],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout.splitlines()[-1])
+    return [found[str(index)] for index in range(len(cases))]
 
 
-def test_the_facade_needs_flax_and_the_layers_below_it_do_not():
-    result = import_with_blocked("jaxscale.facade", ("flax",))
-    assert result.returncode != 0
-    assert "flax" in result.stderr
-    assert import_with_blocked("jaxscale.transform", ("flax",)).returncode == 0
+BLOCKED_PER_MODULE = [
+    (module, LIBRARIES_KEPT_OUT[layer])
+    for layer in layers()
+    if LIBRARIES_KEPT_OUT[layer]
+    for module in modules_of(layer)
+]
 
 
-def test_blocking_a_library_is_noticed():
-    # the check above can fail: the transform, which needs optax, fails without it
-    result = import_with_blocked("jaxscale.transform", ("optax",))
-    assert result.returncode != 0
-    assert "optax" in result.stderr
+# the cases that show the check can fail, and that each import starts afresh
+CHECKS_OF_THE_CHECK = [
+    ("jaxscale.facade", ("flax",)),
+    ("jaxscale.transform", ()),
+    ("jaxscale.transform", ("optax",)),
+]
+
+
+@pytest.fixture(scope="module")
+def import_failures() -> dict[tuple[str, tuple[str, ...]], str]:
+    """The traceback of each import above ("" where it imported), from one interpreter."""
+    cases = BLOCKED_PER_MODULE + CHECKS_OF_THE_CHECK
+    return dict(zip(cases, imports_with_blocked(cases), strict=True))
+
+
+@pytest.mark.parametrize(("module", "blocked"), BLOCKED_PER_MODULE)
+def test_each_module_imports_without_the_libraries_its_layer_keeps_out(
+    module, blocked, import_failures
+):
+    assert import_failures[module, blocked] == ""
+
+
+def test_the_facade_needs_flax_and_the_layers_below_it_do_not(import_failures):
+    last_line = import_failures["jaxscale.facade", ("flax",)].splitlines()[-1]
+    assert last_line.startswith("ModuleNotFoundError")
+    assert "flax" in last_line
+    assert import_failures["jaxscale.transform", ("flax",)] == ""
+
+
+def test_blocking_a_library_is_noticed(import_failures):
+    # the check above can fail: the transform, which needs optax, fails without it, and
+    # each import starts afresh: the transform imported before does not hide it
+    assert import_failures["jaxscale.transform", ()] == ""
+    last_line = import_failures["jaxscale.transform", ("optax",)].splitlines()[-1]
+    assert last_line.startswith("ModuleNotFoundError")
+    assert "optax" in last_line
 
 
 @pytest.mark.parametrize("layer", [layer for layer in layers() if LIBRARIES_KEPT_OUT[layer]])

@@ -7,6 +7,8 @@ that calls ``model.apply``.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -101,22 +103,34 @@ def _seq2seq_batch(seed):
 
 
 SEQ2SEQ = [_seq2seq_batch(seed) for seed in range(12)]
-PARAMS = MODEL.init(jax.random.key(0), *SEQ2SEQ[0], train=False)["params"]
+
+
+# Initialised when a test first asks, not when the module is collected: collecting it
+# (in every test process, whichever tests it runs) then costs no compilation.
+@functools.cache
+def encoder_decoder_params():
+    return MODEL.init(jax.random.key(0), *SEQ2SEQ[0], train=False)["params"]
+
+
+@functools.cache
+def _encoder_decoder_float32_losses():
+    params = encoder_decoder_params()
+    return run_steps(jax.jit(make_step(seq2seq_loss, None)), new_state(params, None), SEQ2SEQ)[1]
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_encoder_decoder_with_padded_cross_attention_trains_like_float32(precision):
-    _, reference = run_steps(
-        jax.jit(make_step(seq2seq_loss, None)), new_state(PARAMS, None), SEQ2SEQ
-    )
+    params = encoder_decoder_params()
     state, losses = run_steps(
-        jax.jit(make_step(seq2seq_loss, precision)), new_state(PARAMS, precision), SEQ2SEQ
+        jax.jit(make_step(seq2seq_loss, precision)), new_state(params, precision), SEQ2SEQ
     )
-    assert_trains_like(reference, losses, rtol=0.05, label=np.dtype(precision).name)
+    assert_trains_like(
+        _encoder_decoder_float32_losses(), losses, rtol=0.05, label=np.dtype(precision).name
+    )
     if precision == F16:
         assert int(jaxscale.skipped_steps(state.opt_state)) == 0
     jaxpr = jax.make_jaxpr(make_step(seq2seq_loss, precision))(
-        new_state(PARAMS, precision), SEQ2SEQ[0]
+        new_state(params, precision), SEQ2SEQ[0]
     )
     assert_all_matmuls_in(precision, jaxpr)
 
