@@ -68,6 +68,29 @@ def _as_traced(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: lis
     return bind_in_context(eqn, cast_floating(invals, traced)), []
 
 
+@_register("composite")
+def _composite(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
+    # lax.composite: a named operation defined by its decomposition, which a compiler
+    # may replace by a kernel of its own. Autocast casts inside the decomposition, as
+    # inside any function, and the result is again a composite of the same name,
+    # version and attributes (a compiler matching it on its dtypes then sees autocast's).
+    params = eqn.params
+    # its decomposition: a closed "jaxpr" in JAX 0.10, an open "call_jaxpr" from 0.11
+    body = params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
+    jaxpr, consts = getattr(body, "jaxpr", body), getattr(body, "consts", ())
+    attributes = {
+        # an array attribute is held hashable; its ``val`` is the array given
+        name: treedef.unflatten([getattr(leaf, "val", leaf) for leaf in leaves])
+        for name, leaves, treedef in params["attributes"]
+    }
+
+    def decomposition(*args: Any, **_: Any) -> list[Any]:
+        return autocaster.eval(jaxpr, consts, args, in_tags)[0]
+
+    rebuilt = lax.composite(decomposition, params["name"], params["version"])
+    return list(rebuilt(*invals, **attributes)), []
+
+
 @_register("scan")
 def _scan(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
     params = eqn.params

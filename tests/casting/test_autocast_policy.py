@@ -567,6 +567,35 @@ def test_the_gradient_through_a_pallas_kernel_follows_float32():
     np.testing.assert_allclose(got, expected, rtol=1e-2, atol=1e-2)
 
 
+def _projected_gelu(x, w, *, approximate, offsets):
+    # a composite's decomposition; ``approximate`` and ``offsets`` are its attributes
+    return jax.nn.gelu(x @ w + offsets[None, :], approximate=approximate)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_composite_stays_one_with_autocast_inside_its_decomposition(mode):
+    composite = lax.composite(_projected_gelu, "my.projected_gelu", version=2)
+    offsets = np.linspace(-1.0, 1.0, 4, dtype=np.float32)  # an array attribute
+
+    def block(x, w):
+        return composite(x, w, approximate=False, offsets=offsets) @ w
+
+    fn = jaxscale.autocast(block)
+    got = (jax.jit(fn) if mode == "jit" else fn)(A, B)
+    assert got.dtype == F16
+    np.testing.assert_allclose(np.asarray(got, F32), block(A, B), rtol=1e-2, atol=1e-2)
+    jaxpr = jax.make_jaxpr(fn)(A, B)
+    [outer] = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "composite"]
+    assert (outer.params["name"], outer.params["version"]) == ("my.projected_gelu", 2)
+    assert outer.params["attributes"] == jax.make_jaxpr(block)(A, B).eqns[0].params["attributes"]
+    decomposition = outer.params.get("jaxpr", outer.params.get("call_jaxpr"))  # 0.10 / 0.11+
+    inner = [e for e in equations(decomposition) if e.primitive.name == "dot_general"]
+    assert [str(e.outvars[0].aval.dtype) for e in inner] == ["float16"]
+    hlo = jax.jit(fn).lower(A, B).as_text()
+    assert 'stablehlo.composite "my.projected_gelu"' in hlo
+    assert "version = 2" in hlo
+
+
 @pytest.mark.parametrize(
     "fn",
     [jax.nn.softmax, jax.nn.log_softmax, jax.scipy.special.logsumexp],
