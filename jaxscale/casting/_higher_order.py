@@ -31,7 +31,13 @@ from jaxscale.casting._interpreter import (
 )
 from jaxscale.casting._policy import FLOAT32_FUNCTIONS
 from jaxscale.casting._region import autocast_state
-from jaxscale.core._jaxprs import bind_in_context, bind_protocol, is_literal, jit_defined_in_jax
+from jaxscale.core._jaxprs import (
+    bind_in_context,
+    bind_protocol,
+    called_program,
+    is_literal,
+    jit_defined_in_jax,
+)
 
 Result = tuple[list[Any], list[Tag]]
 _HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
@@ -46,14 +52,14 @@ def _register(*names: str) -> Any:
     return decorate
 
 
-@_register("jit", "closed_call")  # closed_call: JAX before 0.12
+@_register("jit", "closed_call")  # closed_call: JAX 0.10 only
 def _inline_call(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
     # A nested jit changes nothing inside an enclosing trace: its equations are
     # evaluated in place, so matmul/bias facts flow across its boundary too.
-    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    jaxpr, consts = called_program(eqn)
     if autocaster.device_type == "cuda" and jit_defined_in_jax(eqn) in FLOAT32_FUNCTIONS:
         invals = [autocaster.cast(v, jnp.float32) if v.dtype in _HALF else v for v in invals]
-    return autocaster.eval(closed.jaxpr, closed.consts, invals, in_tags)
+    return autocaster.eval(jaxpr, consts, invals, in_tags)
 
 
 @_register("custom_linear_solve", "pallas_call")
@@ -75,9 +81,7 @@ def _composite(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: lis
     # inside any function, and the result is again a composite of the same name,
     # version and attributes (a compiler matching it on its dtypes then sees autocast's).
     params = eqn.params
-    # its decomposition: a closed "jaxpr" in JAX 0.10, an open "call_jaxpr" from 0.11
-    body = params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
-    jaxpr, consts = getattr(body, "jaxpr", body), getattr(body, "consts", ())
+    jaxpr, consts = called_program(eqn)  # the decomposition
     attributes = {
         # an array attribute is held hashable; its ``val`` is the array given
         name: treedef.unflatten([getattr(leaf, "val", leaf) for leaf in leaves])

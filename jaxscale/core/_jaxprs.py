@@ -62,6 +62,18 @@ def contains_jaxpr(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and any(contains_jaxpr(v) for v in value)
 
 
+def called_program(eqn: Any) -> tuple[Any, Sequence[Any]]:
+    """``(jaxpr, consts)``: the program a call-like equation runs (``jit``, ``closed_call``,
+    ``composite``). Its parameter is ``jaxpr`` or ``call_jaxpr`` by primitive and JAX
+    version (a composite's: a closed ``jaxpr`` in JAX 0.10, an open ``call_jaxpr`` from
+    0.11), and the program closed or open."""
+    params = eqn.params
+    program = params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
+    if isinstance(program, ClosedJaxpr):
+        return program.jaxpr, program.consts
+    return program, ()
+
+
 _JAX_SOURCE = os.path.dirname(os.path.abspath(jax.__file__))
 
 

@@ -22,6 +22,7 @@ from jax.extend.core import jaxpr_as_fun
 
 from jaxscale.core._jaxprs import (
     bind_in_context,
+    called_program,
     equation_context,
     equation_frames,
     is_literal,
@@ -201,12 +202,12 @@ def _inner_place(eqn: Any, here: Location) -> Location | None:
     return here
 
 
-@_rule("jit", "closed_call")  # closed_call: JAX before 0.11
+@_rule("jit", "closed_call")  # closed_call: JAX 0.10 only
 def _inline(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
             iteration: Any, phase: Phase, here: Location) -> tuple[list[Any], Any]:  # fmt: skip
-    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    jaxpr, consts = called_program(eqn)
     return evaluator.eval(
-        closed.jaxpr, closed.consts, invals, carry, iteration,
+        jaxpr, consts, invals, carry, iteration,
         place=_inner_place(eqn, here), **phase.inner(),
     )  # fmt: skip
 

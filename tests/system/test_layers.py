@@ -111,7 +111,7 @@ for index, (module, blocked) in enumerate(cases):
             importlib.import_module(module)
             message = ""
         except BaseException:
-            message = traceback.format_exc() or "failed"
+            message = traceback.format_exc()
         os.write(write, message.encode())
         os._exit(0)
     os.close(write)
