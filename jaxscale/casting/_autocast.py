@@ -13,7 +13,7 @@ import numpy as np
 from jaxscale.casting import _higher_order  # noqa: F401  (registers the higher-order rules)
 from jaxscale.casting._float8_matmul import recipe_for
 from jaxscale.casting._hidden_state import refuse_inside_hidden_state
-from jaxscale.casting._interpreter import MARKER, Autocaster, cast_floating
+from jaxscale.casting._interpreter import MARKER, Autocaster, Tag, cast_floating
 from jaxscale.casting._policy import validated_device_type
 from jaxscale.casting._region import DEFAULT_DTYPES, autocast_state
 from jaxscale.core import _validation as validation
@@ -185,7 +185,7 @@ def _run(
     autocaster: Autocaster, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     call = TracedCall(fn, args, kwargs)
-    outs = autocaster.run(call.closed, call.inputs)
+    outs = autocaster.run(call.closed, call.inputs, [Tag.GIVEN] * len(call.inputs))
     count = len(outs) - len(call.state_dtypes)
     # state written by the call goes back in the dtypes it was traced with
     return call.finish([*outs[:count], *cast_floating(outs[count:], call.state_dtypes)])

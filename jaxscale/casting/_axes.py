@@ -83,6 +83,25 @@ def varies_along_one_operand(
     return sources <= {LHS, MIXED} or sources <= {RHS, MIXED}
 
 
+def bias_of_the_products_shape(product: Labels | None, shape: Any, *, expanded: bool) -> bool:
+    """Whether a parameter-like addend (an argument or captured value, through views) of
+    the product's own ``shape`` is a layer's bias: a layer applied to one example.
+
+    A bias and the product share a shape when the layer's batch is one: either the
+    bias was given size-1 axes to broadcast over the batch (``expanded``: Flax's
+    ``reshape(bias, (1, ..., -1))``), or the product is a matrix-vector product, one
+    operand contributing no axis at all (Equinox's ``weight @ x + bias``). Either way
+    its axes longer than 1 must all come from one operand. ``False`` where the
+    product's axes are not known: unlike a smaller addend, one of full size is no bias
+    unless shown to be."""
+    if product is None or len(product) != len(shape):
+        return False
+    if not expanded and not (set(product) <= {LHS} or set(product) <= {RHS}):
+        return False
+    sources = {p for p, n in zip(product, shape, strict=True) if n > 1}
+    return sources <= {LHS, MIXED} or sources <= {RHS, MIXED}
+
+
 def _dot_general(eqn: Any) -> Labels:
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
     lhs_ndim, rhs_ndim = (len(v.aval.shape) for v in eqn.invars[:2])

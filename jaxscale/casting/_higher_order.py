@@ -24,6 +24,7 @@ from jaxscale.casting._interpreter import (
     HIGHER_ORDER,
     Autocaster,
     Tag,
+    captured_tags,
     cast,
     cast_floating,
     is_floating,
@@ -59,7 +60,7 @@ def _inline_call(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: l
     jaxpr, consts = called_program(eqn)
     if autocaster.device_type == "cuda" and jit_defined_in_jax(eqn) in FLOAT32_FUNCTIONS:
         invals = [autocaster.cast(v, jnp.float32) if v.dtype in _HALF else v for v in invals]
-    return autocaster.eval(jaxpr, consts, invals, in_tags)
+    return autocaster.eval(jaxpr, consts, invals, in_tags, captured_tags(consts))
 
 
 @_register("custom_linear_solve", "pallas_call")
@@ -89,7 +90,7 @@ def _composite(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: lis
     }
 
     def decomposition(*args: Any, **_: Any) -> list[Any]:
-        return autocaster.eval(jaxpr, consts, args, in_tags)[0]
+        return autocaster.eval(jaxpr, consts, args, in_tags, captured_tags(consts))[0]
 
     rebuilt = lax.composite(decomposition, params["name"], params["version"])
     return list(rebuilt(*invals, **attributes)), []
@@ -100,12 +101,16 @@ def _scan(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag
     params = eqn.params
     body = params["jaxpr"]
     consts, init, xs = _scan_operands(params, invals)
+    const_tags, _, xs_tags = _scan_operands(params, in_tags)
     num_carry = len(init)
     carry_dtypes = [a.dtype for a in _scan_operands(params, body.in_avals)[1]]
     init = cast_floating(init, carry_dtypes)
+    # what the constants are holds in every step; a slice of a given value is given (a
+    # layer's parameters scanned over); the carry is computed anew
+    body_tags = [*const_tags, *[Tag.NONE] * num_carry, *[t & Tag.GIVEN for t in xs_tags]]
 
     def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
-        outs = autocaster.run(body, [*consts, *carry, *x])
+        outs = autocaster.run(body, [*consts, *carry, *x], body_tags)
         return cast_floating(outs[:num_carry], carry_dtypes), outs[num_carry:]
 
     carry, ys = lax.scan(
@@ -145,12 +150,18 @@ def _while(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Ta
     rest = invals[params["cond_nconsts"] :]
     body_consts, init = rest[: params["body_nconsts"]], rest[params["body_nconsts"] :]
     carry_dtypes = [a.dtype for a in body.in_avals[params["body_nconsts"] :]]
+    cond_tags = [*in_tags[: params["cond_nconsts"]], *[Tag.NONE] * len(init)]
+    body_tags = [
+        *in_tags[params["cond_nconsts"] :][: params["body_nconsts"]],
+        *[Tag.NONE] * len(init),
+    ]
 
     def keep_going(carry: Any) -> Any:
-        return autocaster.run(cond, [*cond_consts, *carry])[0]
+        return autocaster.run(cond, [*cond_consts, *carry], cond_tags)[0]
 
     def step(carry: Any) -> list[Any]:
-        return cast_floating(autocaster.run(body, [*body_consts, *carry]), carry_dtypes)
+        outs = autocaster.run(body, [*body_consts, *carry], body_tags)
+        return cast_floating(outs, carry_dtypes)
 
     return list(lax.while_loop(keep_going, step, cast_floating(init, carry_dtypes))), []
 
@@ -161,7 +172,7 @@ def _cond(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag
     branches = eqn.params["branches"]
 
     def branch_fn(closed: Any) -> Any:
-        return lambda *ops: autocaster.run(closed, ops)
+        return lambda *ops: autocaster.run(closed, ops, in_tags[1:])
 
     # Branches must agree on their outputs' types: each output takes the widest
     # dtype any branch gives it.
@@ -185,7 +196,7 @@ def _remat(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Ta
     jaxpr = eqn.params["jaxpr"]
 
     def body(*args: Any) -> list[Any]:
-        return autocaster.eval(jaxpr, [], args)[0]
+        return autocaster.eval(jaxpr, [], args, in_tags)[0]
 
     rematted = jax.checkpoint(
         body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"]
@@ -365,7 +376,7 @@ def _shard_map(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: lis
     jaxpr = params["jaxpr"]
 
     def body(*args: Any) -> tuple[Any, ...]:
-        return tuple(autocaster.eval(jaxpr, [], args)[0])
+        return tuple(autocaster.eval(jaxpr, [], args, in_tags)[0])
 
     axes = next(
         params[k] for k in ("newly_manual_axes", "manual_axes", "axis_names") if k in params

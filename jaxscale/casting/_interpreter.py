@@ -20,7 +20,17 @@ casts need:
   operand contributes (a layer's output features); an addend that also varies along
   the other operand's axes or the batch axes (an attention bias over query and key
   positions, a per-example mask) is added as PyTorch's ``+`` adds, promoting. Which
-  operand each axis comes from is followed through views (:mod:`._axes`).
+  operand each axis comes from is followed through views (:mod:`._axes`). An addend
+  as large as the product (a layer applied to one example, where the bias and the
+  product have one shape) is a bias only when it is ``GIVEN``, and either
+  ``EXPANDED`` or added to a matrix-vector product; a residual computed by the
+  function is added as ``+`` adds.
+* ``GIVEN``: one of the function's arguments or a value it captured, through views
+  alone (reshapes, transposes, dtype conversions, broadcasts): how a layer's
+  parameter reaches the layer.
+* ``EXPANDED``: a view that gave a value new size-1 axes and nothing else
+  (``jnp.reshape(bias, (1, -1))``, ``jnp.broadcast_to`` onto a batch of one), through
+  further views: the axes a bias is given to broadcast over a batch.
 * ``MAXIMUM``, ``STABILIZER``: a maximum over an axis (``reduce_max``, through
   broadcasts and the ``max`` with ``-inf`` JAX adds), and such a maximum held
   constant by ``stop_gradient``. ``x - stop_gradient(max(x))`` is how
@@ -82,6 +92,8 @@ class Tag(enum.Flag):
     MAXIMUM = enum.auto()
     STABILIZER = enum.auto()
     KNOWN = enum.auto()
+    GIVEN = enum.auto()
+    EXPANDED = enum.auto()
 
 
 # Primitives that move values without arithmetic: what a value is survives them.
@@ -179,6 +191,15 @@ def saturating_cast(value: Any, dtype: Any) -> Any:
     return lax.convert_element_type(traced, dtype)
 
 
+def captured_tags(consts: Sequence[Any]) -> list[Tag]:
+    """What the constants a jaxpr captured when it was traced are: given and constant,
+    and known unless they are an enclosing transformation's values."""
+    return [
+        Tag.GIVEN | Tag.CONSTANT | (Tag.NONE if isinstance(c, jax.core.Tracer) else Tag.KNOWN)
+        for c in consts
+    ]
+
+
 def is_marked(eqn: Any) -> bool:
     return MARKER in name_stack_text(eqn)
 
@@ -243,15 +264,14 @@ class Autocaster:
     ) -> list[Any]:
         """Evaluate a ``ClosedJaxpr`` on ``args``; returns its outputs.
 
-        Its constants were captured when it was traced: they are :attr:`Tag.CONSTANT`,
-        and :attr:`Tag.KNOWN` unless they are an enclosing transformation's values (a
-        function that closes over the parameters ``jax.grad`` differentiates).
+        Its constants were captured when it was traced: they are :attr:`Tag.GIVEN` and
+        :attr:`Tag.CONSTANT`, and :attr:`Tag.KNOWN` unless they are an enclosing
+        transformation's values (a function that closes over the parameters ``jax.grad``
+        differentiates).
         """
-        const_tags = [
-            Tag.CONSTANT | (Tag.NONE if isinstance(c, jax.core.Tracer) else Tag.KNOWN)
-            for c in closed.consts
+        return self.eval(closed.jaxpr, closed.consts, args, arg_tags, captured_tags(closed.consts))[
+            0
         ]
-        return self.eval(closed.jaxpr, closed.consts, args, arg_tags, const_tags)[0]
 
     def eval(
         self,
@@ -434,6 +454,12 @@ class Autocaster:
                     eqn.invars[addend].aval.shape,
                     eqn.outvars[0].aval.shape,
                 )
+            if sizes[addend] == sizes[product] and Tag.GIVEN in in_tags[addend]:
+                return _axes.bias_of_the_products_shape(
+                    self.axes_of(invals[product]),
+                    eqn.outvars[0].aval.shape,
+                    expanded=Tag.EXPANDED in in_tags[addend],
+                )
         return False
 
     def _runs_in_float8(self, eqn: Any) -> bool:
@@ -553,14 +579,27 @@ def _structural_tags(
     if maximum is not Tag.NONE:
         return [maximum] * count
     if name in _VIEWS:
-        return [in_tags[0] & ~(Tag.CONSTANT | Tag.KNOWN | Tag.MAXIMUM | Tag.STABILIZER)] * count
+        dropped = Tag.CONSTANT | Tag.KNOWN | Tag.MAXIMUM | Tag.STABILIZER | Tag.EXPANDED
+        return [(in_tags[0] & ~dropped) | _expanded(eqn, in_tags[0])] * count
     if name == "convert_element_type":
-        return [in_tags[0] & (Tag.SCALAR | Tag.BROADCAST)]
+        return [in_tags[0] & (Tag.SCALAR | Tag.BROADCAST | Tag.GIVEN | Tag.EXPANDED)]
     if name == "broadcast_in_dim":
         source = eqn.invars[0].aval
         grew = np.prod(source.shape, dtype=int) < np.prod(eqn.outvars[0].aval.shape, dtype=int)
-        return [(in_tags[0] & (Tag.SCALAR | Tag.BROADCAST)) | (Tag.BROADCAST if grew else Tag.NONE)]
+        kept = in_tags[0] & (Tag.SCALAR | Tag.BROADCAST | Tag.GIVEN)
+        return [kept | (Tag.BROADCAST if grew else _expanded(eqn, in_tags[0]))]
     return [Tag.NONE] * count
+
+
+def _expanded(eqn: Any, tag: Tag) -> Tag:
+    """:attr:`Tag.EXPANDED` for a view that only adds size-1 axes to its input (or keeps
+    the axes of an input that is such a view); nothing otherwise."""
+    before, after = tuple(eqn.invars[0].aval.shape), tuple(eqn.outvars[0].aval.shape)
+    if [n for n in before if n != 1] != [n for n in after if n != 1]:
+        return Tag.NONE
+    added = len(after) > len(before)
+    kept = Tag.EXPANDED in tag and len(after) == len(before)
+    return Tag.EXPANDED if added or kept else Tag.NONE
 
 
 def _maximum_tags(name: str, in_tags: list[Tag]) -> Tag:

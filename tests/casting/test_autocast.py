@@ -155,6 +155,60 @@ def test_scan_carries_keep_their_traced_dtype():
     assert ys.dtype == F16  # per-iteration outputs are what the body made
 
 
+FILL = np.full((1, 4), -1e9, np.float32)  # a captured float32 constant beyond float16's range
+
+
+def one_example_and_a_fill(x, w, b):
+    """A layer on a batch of one (its bias of the product's shape) and a captured
+    constant added as a bias, which autocast narrows to float16 saturating (-65504)."""
+    return x[:1] @ w + b.reshape(1, -1), x @ w + FILL
+
+
+def _wrapped(kind):
+    fn = one_example_and_a_fill
+    if kind == "jax.checkpoint":
+        return jax.checkpoint(fn)
+    if kind == "lax.cond":
+        return lambda *a: lax.cond(jnp.all(jnp.isfinite(a[0])), fn, fn, *a)
+    if kind == "lax.scan, closing over the arguments":
+        return lambda *a: jax.tree.map(
+            lambda y: y[0], lax.scan(lambda c, _: (c, fn(*a)), 0.0, length=1)[1]
+        )
+    if kind == "lax.scan over the arguments, stacked":
+        return lambda *a: jax.tree.map(
+            lambda y: y[0], lax.scan(lambda c, xs: (c, fn(*xs)), 0.0, [v[None] for v in a])[1]
+        )
+    if kind == "lax.fori_loop":
+        return lambda *a: lax.fori_loop(0, 1, lambda i, carry: fn(*a), fn(*a))
+    if kind == "shard_map":
+        return jax.shard_map(fn, mesh=machine.mesh((1,), ("d",)), in_specs=P(), out_specs=P())
+    return jax.jit(fn)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "jax.jit",
+        "jax.checkpoint",
+        "lax.cond",
+        "lax.scan, closing over the arguments",
+        "lax.scan over the arguments, stacked",
+        "lax.fori_loop",
+        "shard_map",
+    ],
+)
+def test_a_function_casts_as_it_does_alone_inside_each_higher_order_primitive(kind):
+    # what autocast knows of a value (a parameter, a constant) holds inside the body too
+    b = jnp.linspace(-1, 1, 4)
+    alone = jaxscale.autocast(one_example_and_a_fill)(X, W, b)
+    assert [a.dtype for a in alone] == [F16, F16]
+    assert np.all(np.asarray(alone[1]) == np.float16(-65504))
+    inside = jaxscale.autocast(_wrapped(kind))(X, W, b)
+    for got, expected in zip(inside, alone, strict=True):
+        # a loop's carry keeps the dtype it was traced with
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, F32))
+
+
 # -- nnx: modules, scan over layers, remat, state --------------------------------------
 
 

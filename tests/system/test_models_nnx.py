@@ -677,3 +677,50 @@ def test_a_gemma_style_decoder_trains_like_float32_and_decodes_from_a_float32_ca
         # a few steps of the autocast dtype: the two programs round in different places
         **({"rtol": 2**-6, "atol": 2**-6} if precision == BF16 else {"rtol": 2**-8, "atol": 2**-8}),
     )
+
+
+class CachedDecoder(nnx.Module):
+    """A decoder block on Flax's own attention cache (``decode=True``), with biases."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+        self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(
+            num_heads=2, in_features=WIDTH, decode=False, rngs=rngs
+        )
+        self.up, self.down = nnx.Linear(WIDTH, 64, rngs=rngs), nnx.Linear(64, WIDTH, rngs=rngs)
+        self.head = nnx.Linear(WIDTH, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens, decode=False):
+        x = self.embed(tokens)
+        mask = None if decode else nnx.make_causal_mask(tokens)
+        x = x + self.attention(self.norm(x), mask=mask, decode=decode)
+        x = x + self.down(jax.nn.relu(self.up(x)))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("precision", [F16, BF16], ids=["float16", "bfloat16"])
+def test_decoding_one_sequence_token_by_token_keeps_the_autocast_dtype(precision):
+    # One sequence, one token a step: every layer's product and its bias have the shape
+    # (1, 1, features), nothing is broadcast, and the bias is still the layer's own
+    model = CachedDecoder(nnx.Rngs(0))
+    tokens = jnp.asarray(padded_tokens(3, 1, LENGTH, VOCAB, min_length=LENGTH))
+    whole = nnx.jit(jaxscale.autocast(lambda m, t: m(t), dtype=precision))(model, tokens)
+    model.attention.init_cache((1, LENGTH, WIDTH), dtype=F32)
+
+    @nnx.jit
+    def one_step(model, token):
+        return jaxscale.autocast(lambda m, t: m(t, decode=True), dtype=precision)(model, token)
+
+    stepped = [one_step(model, tokens[:, t : t + 1]) for t in range(LENGTH)]
+    assert whole.dtype == precision
+    assert {s.dtype for s in stepped} == {np.dtype(precision)}  # was float32 at batch one
+    assert {c.dtype for c in jax.tree.leaves(nnx.state(model, nnx.Cache))} == {
+        np.dtype(jnp.int32),
+        np.dtype(F32),
+    }
+    np.testing.assert_allclose(
+        np.asarray(jnp.concatenate(stepped, axis=1), np.float32),
+        np.asarray(whole, np.float32),
+        **({"rtol": 2**-6, "atol": 2**-6} if precision == BF16 else {"rtol": 2**-8, "atol": 2**-8}),
+    )
