@@ -214,7 +214,7 @@ def _custom_jvp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
     traced = list(call.in_avals)  # abstract values: shapes, dtypes, varying mesh axes
 
     def primal(*args: Any) -> list[Any]:
-        return autocaster.run(call, args)
+        return autocaster.run(call, args, in_tags)
 
     def jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         out_shapes = jax.eval_shape(primal, *primals)
@@ -232,7 +232,9 @@ def _custom_jvp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
         # the rule sees the forward's state
         with autocast_state(True, autocaster.dtype, autocaster.device_type):
             rule_jaxpr = jax.make_jaxpr(traced_rule)(*given.traced_arrays)
-        arrays = iter(autocaster.run(rule_jaxpr, given.arrays))
+        # the primals are what they were outside; the tangents are computed
+        tags = given.select([*in_tags, *[Tag.NONE] * len(tangents)])
+        arrays = iter(autocaster.run(rule_jaxpr, given.arrays, tags))
         outs = [next(arrays) if zero is None else zero for zero in zero_outputs]
         half = len(outs) // 2
         primal_out = cast_floating(outs[:half], [s.dtype for s in out_shapes])
@@ -258,7 +260,7 @@ def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
     cotangent_avals = [_tangent_aval(a) for a in call.out_avals]
 
     def primal(*args: Any) -> list[Any]:
-        return autocaster.run(call, args)
+        return autocaster.run(call, args, in_tags)
 
     def forward(*inputs: Any) -> tuple[list[Any], tuple[list[Any], _BackwardFacts]]:
         values = [i.value for i in inputs]
@@ -273,7 +275,7 @@ def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
         _, res_tree, *rest = bind_params["out_trees"]()
         forwarded = list(rest[0]) if rest else [None] * res_tree.num_leaves
         computed = res_tree.num_leaves - sum(f is not None for f in forwarded)
-        outs = autocaster.run(fwd_jaxpr, values)
+        outs = autocaster.run(fwd_jaxpr, values, in_tags)
         # A residual the forward rule returned as a constant reaches the backward rule
         # as JAX passes it: the very value (a Python bool steering its code stays one).
         computed_values = iter(
@@ -345,6 +347,10 @@ class _Arguments:
         self._is_input = [isinstance(v, jax.Array) and not _is_float0(v) for v in values]
         self.arrays = [v for v, use in zip(values, self._is_input, strict=True) if use]
         self.traced_arrays = [t for t, use in zip(traced, self._is_input, strict=True) if use]
+
+    def select(self, facts: Sequence[Any]) -> list[Any]:
+        """The entries of ``facts``, one per value, that belong to the arrays."""
+        return [f for f, use in zip(facts, self._is_input, strict=True) if use]
 
     def merge(self, arrays: Sequence[Any]) -> list[Any]:
         fresh = iter(arrays)

@@ -180,6 +180,14 @@ def _wrapped(kind):
         )
     if kind == "lax.fori_loop":
         return lambda *a: lax.fori_loop(0, 1, lambda i, carry: fn(*a), fn(*a))
+    if kind == "jax.custom_jvp":
+        wrapped = jax.custom_jvp(fn)
+        wrapped.defjvp(lambda primals, tangents: jax.jvp(fn, primals, tangents))
+        return wrapped
+    if kind == "jax.custom_vjp":
+        wrapped = jax.custom_vjp(fn)
+        wrapped.defvjp(lambda *a: jax.vjp(fn, *a), lambda pullback, g: pullback(g))
+        return wrapped
     if kind == "shard_map":
         return jax.shard_map(fn, mesh=machine.mesh((1,), ("d",)), in_specs=P(), out_specs=P())
     return jax.jit(fn)
@@ -195,6 +203,8 @@ def _wrapped(kind):
         "lax.scan over the arguments, stacked",
         "lax.fori_loop",
         "shard_map",
+        "jax.custom_jvp",
+        "jax.custom_vjp",
     ],
 )
 def test_a_function_casts_as_it_does_alone_inside_each_higher_order_primitive(kind):
@@ -204,6 +214,16 @@ def test_a_function_casts_as_it_does_alone_inside_each_higher_order_primitive(ki
     assert [a.dtype for a in alone] == [F16, F16]
     assert np.all(np.asarray(alone[1]) == np.float16(-65504))
     inside = jaxscale.autocast(_wrapped(kind))(X, W, b)
+    if kind.startswith("jax.custom"):  # the rules, as differentiation runs them
+        cast = jaxscale.autocast(_wrapped(kind))
+        differentiated = (
+            jax.jvp(cast, (X, W, b), (X, W, b))[0]
+            if kind == "jax.custom_jvp"
+            else jax.vjp(cast, X, W, b)[0]
+        )
+        assert [d.dtype for d in differentiated] == [F16, F16]
+        np.testing.assert_array_equal(np.asarray(differentiated[0]), np.asarray(alone[0]))
+        np.testing.assert_array_equal(np.asarray(differentiated[1]), np.asarray(alone[1]))
     for got, expected in zip(inside, alone, strict=True):
         # a loop's carry keeps the dtype it was traced with
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, F32))
