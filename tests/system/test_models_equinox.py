@@ -255,3 +255,23 @@ def test_batchnorm_state_threads_through_autocast_and_the_scaler(precision):
 
     jaxpr = jax.make_jaxpr(jax.grad(loss_of_params))(params)
     assert_all_matmuls_in(precision, jaxpr)
+
+
+@pytest.mark.parametrize("precision", [F16, BF16], ids=["float16", "bfloat16"])
+def test_a_model_autocast_per_example_and_vmapped_casts_as_the_vmapped_model(precision):
+    # jax.vmap(jaxscale.autocast(model)): autocast traces one example, where each
+    # layer's weight @ x and its bias have one shape; they are still a linear layer's
+    mlp = eqx.nn.MLP(8, 4, 16, 2, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (5, 8))
+    per_example = jax.vmap(jaxscale.autocast(mlp, dtype=precision))
+    whole = jaxscale.autocast(jax.vmap(mlp), dtype=precision)
+    assert per_example(x).dtype == whole(x).dtype == precision
+    additions = [
+        tuple(str(v.aval.dtype) for v in e.invars)
+        for e in jax.make_jaxpr(per_example)(x).jaxpr.eqns
+        if e.primitive.name == "add"
+    ]
+    assert additions == [(np.dtype(precision).name,) * 2] * 3  # the three biases
+    np.testing.assert_allclose(
+        np.asarray(per_example(x), F32), np.asarray(whole(x), F32), rtol=2**-8, atol=2**-8
+    )
