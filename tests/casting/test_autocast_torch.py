@@ -150,6 +150,13 @@ def _addition_cases():
         ("a residual the function is given, over a batch of one",
          lambda x, w: x + x @ w.T, lambda x, w: x + torch.nn.functional.linear(x, w),
          (arr(1, 8), arr(8, 8))),
+        # where jaxscale differs: an argument of a matrix-vector product's shape is
+        # added as a layer's bias, since an unbatched layer's program is the same
+        ("an offset per example added to a matrix-vector product",
+         lambda x, v, offset: x @ v + offset,
+         lambda x, v, offset: (torch.nn.functional.linear(x, v[None]) + offset[:, None])[:, 0]
+         .half(),
+         (arr(5, 8), arr(8), arr(5))),
         ("a residual the function computes, over a batch of one",
          lambda x, w: jnp.tanh(x) + x @ w.T,
          lambda x, w: torch.tanh(x) + torch.nn.functional.linear(x, w),
