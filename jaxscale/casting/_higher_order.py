@@ -172,7 +172,11 @@ def _cond(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag
     branches = eqn.params["branches"]
 
     def branch_fn(closed: Any) -> Any:
-        return lambda *ops: autocaster.run(closed, ops, in_tags[1:])
+        def branch(*ops: Any) -> list[Any]:
+            autocaster.follow(ops, operands)
+            return autocaster.run(closed, ops, in_tags[1:])
+
+        return branch
 
     # Branches must agree on their outputs' types: each output takes the widest
     # dtype any branch gives it.
@@ -196,6 +200,7 @@ def _remat(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Ta
     jaxpr = eqn.params["jaxpr"]
 
     def body(*args: Any) -> list[Any]:
+        autocaster.follow(args, invals)
         return autocaster.eval(jaxpr, [], args, in_tags)[0]
 
     rematted = jax.checkpoint(
@@ -214,6 +219,7 @@ def _custom_jvp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
     traced = list(call.in_avals)  # abstract values: shapes, dtypes, varying mesh axes
 
     def primal(*args: Any) -> list[Any]:
+        autocaster.follow(args, invals)
         return autocaster.run(call, args, in_tags)
 
     def jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
@@ -234,6 +240,7 @@ def _custom_jvp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
             rule_jaxpr = jax.make_jaxpr(traced_rule)(*given.traced_arrays)
         # the primals are what they were outside; the tangents are computed
         tags = given.select([*in_tags, *[Tag.NONE] * len(tangents)])
+        autocaster.follow(primals, invals)
         arrays = iter(autocaster.run(rule_jaxpr, given.arrays, tags))
         outs = [next(arrays) if zero is None else zero for zero in zero_outputs]
         half = len(outs) // 2
@@ -260,6 +267,7 @@ def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
     cotangent_avals = [_tangent_aval(a) for a in call.out_avals]
 
     def primal(*args: Any) -> list[Any]:
+        autocaster.follow(args, invals)
         return autocaster.run(call, args, in_tags)
 
     def forward(*inputs: Any) -> tuple[list[Any], tuple[list[Any], _BackwardFacts]]:
@@ -275,6 +283,7 @@ def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
         _, res_tree, *rest = bind_params["out_trees"]()
         forwarded = list(rest[0]) if rest else [None] * res_tree.num_leaves
         computed = res_tree.num_leaves - sum(f is not None for f in forwarded)
+        autocaster.follow(values, invals)
         outs = autocaster.run(fwd_jaxpr, values, in_tags)
         # A residual the forward rule returned as a constant reaches the backward rule
         # as JAX passes it: the very value (a Python bool steering its code stays one).
@@ -382,6 +391,7 @@ def _shard_map(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: lis
     jaxpr = params["jaxpr"]
 
     def body(*args: Any) -> tuple[Any, ...]:
+        autocaster.follow(args, invals)
         return tuple(autocaster.eval(jaxpr, [], args, in_tags)[0])
 
     axes = next(

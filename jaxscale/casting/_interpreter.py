@@ -225,6 +225,14 @@ class Autocaster:
         entry = self._axes.get(id(value))
         return entry[1] if entry is not None and entry[0] is value else None
 
+    def follow(self, inside: Sequence[Any], outside: Sequence[Any]) -> None:
+        """The values a rule's body receives in place of ``outside``, one for one: what
+        is known of each value's axes holds for the value that stands in for it."""
+        for new, old in zip(inside, outside, strict=True):
+            labels = self.axes_of(old)
+            if labels is not None:
+                self._axes[id(new)] = (new, labels)
+
     def _note_axes(self, eqn: Any, invals: list[Any], outvals: list[Any]) -> None:
         if len(outvals) != 1 or not invals or eqn.primitive.name not in _axes.LABELLED:
             return
@@ -269,9 +277,9 @@ class Autocaster:
         transformation's values (a function that closes over the parameters ``jax.grad``
         differentiates).
         """
-        return self.eval(closed.jaxpr, closed.consts, args, arg_tags, captured_tags(closed.consts))[
-            0
-        ]
+        consts = closed.consts
+        outs, _ = self.eval(closed.jaxpr, consts, args, arg_tags, captured_tags(consts))
+        return outs
 
     def eval(
         self,

@@ -164,8 +164,7 @@ def one_example_and_a_fill(x, w, b):
     return x[:1] @ w + b.reshape(1, -1), x @ w + FILL
 
 
-def _wrapped(kind):
-    fn = one_example_and_a_fill
+def _wrapped(kind, fn=one_example_and_a_fill):
     if kind == "jax.checkpoint":
         return jax.checkpoint(fn)
     if kind == "lax.cond":
@@ -227,6 +226,24 @@ def test_a_function_casts_as_it_does_alone_inside_each_higher_order_primitive(ki
     for got, expected in zip(inside, alone, strict=True):
         # a loop's carry keeps the dtype it was traced with
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, F32))
+
+
+@pytest.mark.parametrize(
+    "kind", ["jax.checkpoint", "lax.cond", "shard_map", "jax.custom_jvp", "jax.custom_vjp"]
+)
+def test_a_product_passed_into_a_body_keeps_what_is_known_of_its_axes(kind):
+    # a per-example addend over a matmul's output promotes, as PyTorch's `+` does; the
+    # body sees the product as a value of its own, whose axes autocast still knows
+    def add(product, per_example):
+        return product + per_example
+
+    x, per_example = jnp.stack([X, -X], axis=1), jnp.linspace(0, 1, 12).reshape(3, 1, 4)
+    body = _wrapped(kind, add)
+    alone = jaxscale.autocast(lambda x, w, m: add(x @ w, m))(x, W, per_example)
+    # under jit: the body's values are new tracers (eager ones may be the arrays passed)
+    inside = jax.jit(jaxscale.autocast(lambda x, w, m: body(x @ w, m)))(x, W, per_example)
+    assert alone.dtype == inside.dtype == F32
+    np.testing.assert_array_equal(np.asarray(inside), np.asarray(alone))
 
 
 # -- nnx: modules, scan over layers, remat, state --------------------------------------
