@@ -63,6 +63,33 @@ def _inline_call(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: l
     return autocaster.eval(jaxpr, consts, invals, in_tags, captured_tags(consts))
 
 
+@_register("xla_metadata_call")  # JAX 0.11 and later
+def _xla_metadata_call(
+    autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]
+) -> Result:
+    # jax.experimental.xla_metadata.xla_metadata_call: the call is rebuilt with the same
+    # metadata around the function under autocast, so the attributes still reach the
+    # operations XLA compiles for it
+    # (JAX 0.11 and later, the versions that emit the primitive)
+    from jax.experimental.xla_metadata import (  # type: ignore[attr-defined,unused-ignore]
+        xla_metadata_call2,
+    )
+
+    jaxpr, consts = called_program(eqn)
+    params = eqn.params
+    recorded = params["ad_metadata"]  # "same", () for "drop", or pairs
+    ad_metadata = recorded if recorded == "same" else (dict(recorded) if recorded else "drop")
+
+    def body(*args: Any) -> list[Any]:
+        autocaster.follow(args, invals)
+        return autocaster.eval(jaxpr, consts, args, in_tags, captured_tags(consts))[0]
+
+    rebuilt = xla_metadata_call2(
+        body, metadata=dict(params["xla_metadata"]), ad_metadata=ad_metadata
+    )
+    return list(rebuilt(*invals)), []
+
+
 @_register("custom_linear_solve", "pallas_call")
 def _as_traced(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
     # jnp.linalg.solve and the iterative solvers: linear algebra runs as written (see

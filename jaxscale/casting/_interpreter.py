@@ -97,7 +97,7 @@ class Tag(enum.Flag):
 
 
 # Primitives that move values without arithmetic: what a value is survives them.
-_VIEWS = {"reshape", "transpose", "squeeze", "copy", "name", "device_put"}
+_VIEWS = {"reshape", "transpose", "squeeze", "copy", "name", "device_put", "xla_metadata_value"}
 # First-order primitives that carry a jaxpr of their own (an update or reduction
 # function): not higher-order in meaning, so they run as traced.
 _OPAQUE_WITH_JAXPR = {

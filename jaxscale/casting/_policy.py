@@ -127,6 +127,8 @@ _TABLE: list[tuple[str, Precision, str]] = [
     ("concatenate", WIDEST, "cat (PyTorch's promote list)"), ("pad", WIDEST, _MOVES),
     ("split", WIDEST, _MOVES), ("copy", WIDEST, _MOVES), ("device_put", WIDEST, _MOVES),
     ("name", WIDEST, "checkpoint_name: names a value for remat policies, keeps its dtype"),
+    ("xla_metadata_value", WIDEST,
+     "set_xla_metadata(x, ...): tags the operation that made x, keeps its dtype"),
     ("convert_element_type", WIDEST, ".to(dtype), .float(), .half(): kept as written"),
     ("stop_gradient", WIDEST, "detach"), ("optimization_barrier", WIDEST, _MOVES),
     ("sharding_constraint", WIDEST, _MOVES), ("reshard", WIDEST, _MOVES),
@@ -290,6 +292,7 @@ VERSION_SPECIFIC: Mapping[str, str] = {
         "log2 one_minus_square relayout unreduced_pmax unreduced_pmin with_memory_space_constraint",
     ),
     **_group("JAX 0.11 only", "program_order"),
+    **_group("JAX 0.11 and later, as a higher-order rule", "xla_metadata_call"),
     **_group(
         "JAX 0.12 and later",
         "pbroadcast_dynamic polynomial reduced_vary_cast vary_unreduced_cast",

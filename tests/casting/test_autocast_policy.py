@@ -12,6 +12,8 @@ reach them in a model, so each row shows the cast that autocast makes.
 
 from __future__ import annotations
 
+import re
+
 import flax.linen
 import jax
 import jax.numpy as jnp
@@ -429,6 +431,9 @@ names = primitive_names()
 # different in each release) run inside pallas_call, where autocast never reaches
 import jax.experimental.pallas
 names |= primitive_names() & {"pallas_call"}
+# XLA metadata (set_xla_metadata on a value; xla_metadata_call from JAX 0.11)
+import jax.experimental.xla_metadata
+names |= primitive_names() & {"xla_metadata_value", "xla_metadata_call"}
 print(" ".join(sorted(names)))
 """
 
@@ -594,6 +599,59 @@ def test_a_composite_stays_one_with_autocast_inside_its_decomposition(mode):
     hlo = jax.jit(fn).lower(A, B).as_text()
     assert 'stablehlo.composite "my.projected_gelu"' in hlo
     assert "version = 2" in hlo
+
+
+def test_set_xla_metadata_on_a_value_keeps_it_in_the_autocast_dtype():
+    from jax.experimental.xla_metadata import set_xla_metadata
+
+    def block(x, w):
+        return jnp.tanh(set_xla_metadata(x @ w, stage="projection"))
+
+    fn = jaxscale.autocast(block)
+    assert fn(A, B).dtype == F16
+    [tagged] = [
+        e for e in jax.make_jaxpr(fn)(A, B).jaxpr.eqns if e.primitive.name == "xla_metadata_value"
+    ]
+    assert str(tagged.outvars[0].aval.dtype) == "float16"
+    hlo = jax.jit(fn).lower(A, B).as_text()
+    assert re.search(r"stablehlo\.dot_general.*stage = \"projection\"", hlo)
+    np.testing.assert_allclose(np.asarray(fn(A, B), F32), block(A, B), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_an_xla_metadata_call_stays_one_with_autocast_inside(mode):
+    import jax.experimental.xla_metadata as xla_metadata
+
+    if not hasattr(xla_metadata, "xla_metadata_call"):  # JAX 0.11 and later
+        pytest.skip(f"JAX {jax.__version__} has no xla_metadata_call")
+
+    def block(x, w):
+        inner = xla_metadata.xla_metadata_call(lambda x: jnp.tanh(x @ w), stage="mlp", n=2)
+        return inner(x) @ w
+
+    fn = jaxscale.autocast(block)
+    got = (jax.jit(fn) if mode == "jit" else fn)(A, B)
+    assert got.dtype == F16
+    np.testing.assert_allclose(np.asarray(got, F32), block(A, B), rtol=1e-2, atol=1e-2)
+    [outer] = [
+        e for e in jax.make_jaxpr(fn)(A, B).jaxpr.eqns if e.primitive.name == "xla_metadata_call"
+    ]
+    [plain] = [
+        e for e in jax.make_jaxpr(block)(A, B).jaxpr.eqns if e.primitive.name == "xla_metadata_call"
+    ]
+    assert (
+        outer.params["xla_metadata"]
+        == plain.params["xla_metadata"]
+        == (("n", "2"), ("stage", "mlp"))
+    )
+    assert outer.params["ad_metadata"] == plain.params["ad_metadata"]
+    inner = [e for e in equations(outer.params["jaxpr"]) if e.primitive.name == "dot_general"]
+    assert [str(e.outvars[0].aval.dtype) for e in inner] == ["float16"]
+    assert 'stage = "mlp"' in jax.jit(fn).lower(A, B).as_text()
+    # its gradient, through the metadata's own differentiation rule
+    grad = jax.grad(lambda w: jnp.sum(fn(A, w).astype(F32)))(B)
+    expected = jax.grad(lambda w: jnp.sum(block(A, w)))(B)
+    np.testing.assert_allclose(grad, expected, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize(
