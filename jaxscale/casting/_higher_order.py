@@ -81,8 +81,7 @@ def _xla_metadata_call(
     ad_metadata = recorded if recorded == "same" else (dict(recorded) if recorded else "drop")
 
     def body(*args: Any) -> list[Any]:
-        autocaster.follow(args, invals)
-        return autocaster.eval(jaxpr, consts, args, in_tags, captured_tags(consts))[0]
+        return autocaster.eval_in_place_of(jaxpr, consts, args, invals, in_tags)
 
     rebuilt = xla_metadata_call2(
         body, metadata=dict(params["xla_metadata"]), ad_metadata=ad_metadata
@@ -227,8 +226,7 @@ def _remat(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Ta
     jaxpr = eqn.params["jaxpr"]
 
     def body(*args: Any) -> list[Any]:
-        autocaster.follow(args, invals)
-        return autocaster.eval(jaxpr, [], args, in_tags)[0]
+        return autocaster.eval_in_place_of(jaxpr, [], args, invals, in_tags)
 
     rematted = jax.checkpoint(
         body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"]
@@ -418,8 +416,7 @@ def _shard_map(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: lis
     jaxpr = params["jaxpr"]
 
     def body(*args: Any) -> tuple[Any, ...]:
-        autocaster.follow(args, invals)
-        return tuple(autocaster.eval(jaxpr, [], args, in_tags)[0])
+        return tuple(autocaster.eval_in_place_of(jaxpr, [], args, invals, in_tags))
 
     axes = next(
         params[k] for k in ("newly_manual_axes", "manual_axes", "axis_names") if k in params

@@ -233,6 +233,19 @@ class Autocaster:
             if labels is not None:
                 self._axes[id(new)] = (new, labels)
 
+    def eval_in_place_of(
+        self,
+        jaxpr: Any,
+        consts: Sequence[Any],
+        args: Sequence[Any],
+        outside: Sequence[Any],
+        tags: Sequence[Tag],
+    ) -> list[Any]:
+        """Evaluate a rule's body on ``args``, the values standing in for ``outside`` (whose
+        tags are ``tags``); returns its outputs."""
+        self.follow(args, outside)
+        return self.eval(jaxpr, consts, args, tags, captured_tags(consts))[0]
+
     def _note_axes(self, eqn: Any, invals: list[Any], outvals: list[Any]) -> None:
         if len(outvals) != 1 or not invals or eqn.primitive.name not in _axes.LABELLED:
             return
