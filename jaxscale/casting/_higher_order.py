@@ -116,7 +116,7 @@ def _composite(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: lis
     }
 
     def decomposition(*args: Any, **_: Any) -> list[Any]:
-        return autocaster.eval(jaxpr, consts, args, in_tags, captured_tags(consts))[0]
+        return autocaster.eval_in_place_of(jaxpr, consts, args, invals, in_tags)
 
     rebuilt = lax.composite(decomposition, params["name"], params["version"])
     return list(rebuilt(*invals, **attributes)), []

@@ -390,6 +390,7 @@ class Autocaster:
         traced = [v.aval.dtype for v in eqn.invars]
         params = dict(eqn.params)
         window_sums = [self._window_sum(v) for v in invals] if name == "div" else None
+        bias_summed_in_float32 = False
         if precision is Precision.RECIPROCAL:
             precision = (
                 Precision.FLOAT32
@@ -432,6 +433,11 @@ class Autocaster:
             product = 0 if Tag.PRODUCT in in_tags[0] else 1
             addend = 1 - product
             invals[addend] = self.cast(invals[addend], invals[product].dtype, in_tags[addend])
+            # its gradient is a sum over the axes it is broadcast along: here, or by a
+            # jax.vmap applied outside autocast
+            bias_summed_in_float32 = (
+                invals[addend].dtype in _HALF and Tag.KNOWN not in in_tags[addend]
+            )
         else:
             invals = self._promote_to_widest(invals, in_tags, traced)
 
@@ -445,6 +451,12 @@ class Autocaster:
             divisor = window_sums[1] if window_sums[1] is not None else invals[1]
             wide = bind_in_context(eqn, [window_sums[0], cast(divisor, jnp.float32)], params)
             outvals = [cast(wide[0], invals[0].dtype)]
+        elif bias_summed_in_float32:
+            outvals = [
+                bias_added_with_a_float32_gradient_sum(
+                    lambda a, b: bind_in_context(eqn, [a, b], params)[0], *invals
+                )
+            ]
         elif name == "broadcast_in_dim" and _sums_back_in_half(eqn, invals, in_tags, 0):
             rest = invals[1:]
             outvals = [
@@ -552,6 +564,30 @@ def summed_back_in_float32(broadcast: Callable[[Any], Any], value: Any) -> Any:
         return cast(broadcast(cast(half, jnp.float32)), half.dtype)
 
     return lax.platform_dependent(value, cpu=broadcast, default=through_float32)
+
+
+def bias_added_with_a_float32_gradient_sum(add: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
+    """``add(a, b)`` for a float16 or bfloat16 product and bias, the same bit for bit,
+    written so that the bias's gradient, a sum over the axes it is broadcast along,
+    accumulates in float32 and is rounded to its dtype once: :func:`added_through_float32`.
+
+    The bias may be broadcast by this addition (size-1 axes, a 0-d value), and over a
+    batch by a ``jax.vmap`` applied outside autocast, which traced one example
+    (Equinox's ``jax.vmap(jaxscale.autocast(model))``): an addition in the half dtype
+    would leave that batch's sum to ``vmap``, in the half dtype. Not on the CPU, for
+    the reason :func:`summed_back_in_float32` gives.
+    """
+    through_float32 = functools.partial(added_through_float32, add)
+    return lax.platform_dependent(a, b, cpu=add, default=through_float32)
+
+
+def added_through_float32(add: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
+    """``add`` of ``a`` and ``b`` (float16 or bfloat16) run in float32 and rounded to their
+    dtype: their sum in that dtype, exactly. Float32's 24-bit significand is at least
+    twice float16's (11 bits) and bfloat16's (8 bits) plus two, which makes rounding
+    twice, to float32 and then to the half dtype, the same as rounding once; float32's
+    exponent range holds both dtypes'."""
+    return cast(add(cast(a, jnp.float32), cast(b, jnp.float32)), a.dtype)
 
 
 def _broadcasts_summed_back_in_float32(

@@ -189,6 +189,8 @@ def _wrapped(kind, fn=one_example_and_a_fill):
         return wrapped
     if kind == "shard_map":
         return jax.shard_map(fn, mesh=machine.mesh((1,), ("d",)), in_specs=P(), out_specs=P())
+    if kind == "lax.composite":
+        return lax.composite(fn, "jaxscale_tests.body")
     return jax.jit(fn)
 
 
@@ -204,6 +206,7 @@ def _wrapped(kind, fn=one_example_and_a_fill):
         "shard_map",
         "jax.custom_jvp",
         "jax.custom_vjp",
+        "lax.composite",
     ],
 )
 def test_a_function_casts_as_it_does_alone_inside_each_higher_order_primitive(kind):
@@ -229,7 +232,15 @@ def test_a_function_casts_as_it_does_alone_inside_each_higher_order_primitive(ki
 
 
 @pytest.mark.parametrize(
-    "kind", ["jax.checkpoint", "lax.cond", "shard_map", "jax.custom_jvp", "jax.custom_vjp"]
+    "kind",
+    [
+        "jax.checkpoint",
+        "lax.cond",
+        "shard_map",
+        "jax.custom_jvp",
+        "jax.custom_vjp",
+        "lax.composite",
+    ],
 )
 def test_a_product_passed_into_a_body_keeps_what_is_known_of_its_axes(kind):
     # a per-example addend over a matmul's output promotes, as PyTorch's `+` does; the
@@ -638,6 +649,56 @@ def test_the_gradient_of_a_broadcast_half_value_is_summed_in_float32(name, dtype
     # the same
     assert half in cpu.sum_dtypes, cpu.sum_dtypes
     assert {leaf.dtype for leaf in jax.tree.leaves(values)} == {np.dtype(F32)}
+
+
+def _rounded_once(exact, dtype):
+    """float64 values (exact sums) rounded to float16 or bfloat16 once, to nearest even,
+    written out here (numpy's and ml_dtypes' casts are not the reference under test)."""
+    info = jnp.finfo(dtype)
+    significand = info.nmant + 1
+    exact = np.asarray(exact, np.float64)
+    finite = np.isfinite(exact) & (exact != 0)
+    exponent = np.floor(np.log2(np.abs(np.where(finite, exact, 1.0))))
+    ulp = np.exp2(np.maximum(exponent, info.minexp) - (significand - 1))
+    rounded = np.where(finite, np.rint(exact / ulp) * ulp, exact)
+    rounded = np.where(np.abs(rounded) > float(info.max), np.copysign(np.inf, exact), rounded)
+    return rounded.astype(np.float32).astype(dtype)  # exact: every such value is one
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["float16", "bfloat16"])
+def test_a_half_addition_run_in_float32_and_rounded_is_the_half_addition_bit_for_bit(dtype):
+    # a bias added to a product of one example's shape runs in float32 off the CPU, so
+    # that vmap's sum of its gradient is float32's: the forward must not change a bit
+    from jaxscale.casting._interpreter import added_through_float32
+
+    rng = np.random.default_rng(0)
+    bits = np.uint16
+    every = np.arange(2**16, dtype=np.uint32).astype(bits)
+    a = np.concatenate([every, every, every, rng.integers(0, 2**16, 2**20, dtype=bits)])
+    b = np.concatenate(
+        [
+            rng.integers(0, 2**16, 2**16, dtype=bits),
+            every ^ np.uint16(0x8000),  # the negation: exact zeros, and cancellation
+            (every.astype(np.int32) + rng.integers(-3, 4, 2**16)).astype(bits),  # neighbours
+            rng.integers(0, 2**16, 2**20, dtype=bits),
+        ]
+    )
+    a, b = (jnp.asarray(x.view(jnp.dtype(dtype))) for x in (a, b))
+    got = np.asarray(jax.jit(added_through_float32, static_argnums=0)(lax.add, a, b))
+    # the IEEE sum, but where a value is below float32's smallest normal (bfloat16's
+    # subnormals), which XLA's CPU backend flushes to zero. (Its float16 addition, on a
+    # CPU with float16 arithmetic, flushes float16's subnormals too: not a reference.)
+    tiny = float(jnp.finfo(F32).tiny)
+    with np.errstate(invalid="ignore"):  # NaN operands and inf - inf
+        values = [np.asarray(a, np.float64), np.asarray(b, np.float64)]  # numpy's: no flush
+        exact = values[0] + values[1]  # exact for two halves
+        want = _rounded_once(exact, dtype)
+        nan = np.isnan(want)
+        normal = ~nan & ~np.any([(x != 0) & (np.abs(x) < tiny) for x in [*values, exact]], axis=0)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    assert normal.mean() > 0.9
+    np.testing.assert_array_equal(got[normal].view(bits), want[normal].view(bits))
+    assert (np.asarray(exact) != np.asarray(want, np.float64)).mean() > 0.3  # rounding ran
 
 
 def test_parameters_a_closure_captures_are_summed_in_float32_like_arguments():

@@ -7,6 +7,8 @@ Equinox's own examples do); the scaler is the transform ``jaxscale.grad_scaler``
 
 from __future__ import annotations
 
+import collections
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,7 @@ from support.model_training import (
     PRECISIONS,
     assert_all_matmuls_in,
     assert_trains_like,
+    equations,
     padded_tokens,
     run_steps,
 )
@@ -266,12 +269,82 @@ def test_a_model_autocast_per_example_and_vmapped_casts_as_the_vmapped_model(pre
     per_example = jax.vmap(jaxscale.autocast(mlp, dtype=precision))
     whole = jaxscale.autocast(jax.vmap(mlp), dtype=precision)
     assert per_example(x).dtype == whole(x).dtype == precision
-    additions = [
+    half = np.dtype(precision).name
+    additions = collections.Counter(
         tuple(str(v.aval.dtype) for v in e.invars)
-        for e in jax.make_jaxpr(per_example)(x).jaxpr.eqns
+        for e in equations(jax.make_jaxpr(per_example)(x))
         if e.primitive.name == "add"
-    ]
-    assert additions == [(np.dtype(precision).name,) * 2] * 3  # the three biases
+    )
+    # the three biases, added in the half dtype on the CPU and, elsewhere, in float32
+    # rounded to it (the same bits), so that vmap's sums of their gradients are float32
+    assert additions == {(half, half): 3, ("float32", "float32"): 3}, additions
     np.testing.assert_allclose(
         np.asarray(per_example(x), F32), np.asarray(whole(x), F32), rtol=2**-8, atol=2**-8
     )
+
+
+class TokenwiseMLP(eqx.Module):
+    """One sequence's tokens through an MLP, vmapped inside the model (as Equinox's
+    attention applies its projections): a bias broadcast over the tokens here, and
+    over the batch by a vmap outside."""
+
+    mlp: eqx.nn.MLP
+
+    def __call__(self, tokens):
+        return jax.vmap(self.mlp)(tokens)
+
+
+PER_EXAMPLE_MODELS = {
+    "an MLP on one example": (lambda key: eqx.nn.MLP(8, 4, 16, 2, key=key), (64, 8)),
+    "an MLP on each token of one sequence": (
+        lambda key: TokenwiseMLP(eqx.nn.MLP(8, 4, 16, 2, key=key)),
+        (16, 5, 8),
+    ),
+}
+
+
+@pytest.mark.parametrize("precision", [F16, BF16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("name", list(PER_EXAMPLE_MODELS))
+def test_bias_gradients_of_a_model_autocast_per_example_are_summed_over_the_batch_in_float32(
+    name, precision
+):
+    # vmap adds the batch axis after autocast: a bias, broadcast over one example's
+    # product or not at all when traced, is broadcast over the batch by vmap, and its
+    # gradient is vmap's sum over the batch. On an accelerator that sum is float32, as
+    # with autocast outside the vmap and as PyTorch's; on the CPU it is the half
+    # dtype's in both (README).
+    make, shape = PER_EXAMPLE_MODELS[name]
+    model = make(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), shape)
+    params, static = eqx.partition(model, eqx.is_array)
+    half = {F16: "f16", BF16: "bf16"}[precision]
+
+    def loss_of(batched_model):
+        def loss(params):
+            model = eqx.combine(params, static)
+            return jnp.sum(batched_model(model)(x).astype(F32) ** 2)
+
+        return jax.grad(loss)
+
+    per_example = loss_of(lambda m: jax.vmap(jaxscale.autocast(m, dtype=precision)))
+    whole = loss_of(lambda m: jaxscale.autocast(jax.vmap(m), dtype=precision))
+    reports = {}
+    for grads in (per_example, whole):
+        cuda = jaxscale.lowering_report(grads, params, platform="cuda")
+        cpu = jaxscale.lowering_report(grads, params, platform="cpu")
+        reports[grads] = cuda.sum_dtypes
+        assert set(cuda.sum_dtypes) == {"f32"}, cuda.sum_dtypes  # the three biases'
+        assert cuda.data_conditionals == 0  # the platform's choice is folded away
+        assert set(cpu.sum_dtypes) == {half}, cpu.sum_dtypes
+    assert reports[per_example] == reports[whole]
+    linears = [_linears(model), _linears(per_example(params)), _linears(whole(params))]
+    assert len(linears[0]) == 3
+    for layer, a, b in zip(*linears, strict=True):
+        assert a.bias.dtype == b.bias.dtype == layer.bias.dtype == F32
+        scale = float(jnp.max(jnp.abs(b.bias)))
+        np.testing.assert_allclose(a.bias, b.bias, rtol=2**-6, atol=2**-6 * scale)
+
+
+def _linears(tree):
+    is_linear = lambda node: isinstance(node, eqx.nn.Linear)  # noqa: E731
+    return [node for node in jax.tree.leaves(tree, is_leaf=is_linear) if is_linear(node)]
