@@ -57,6 +57,10 @@ def _as_grad_scaler_state(node: Any) -> GradScalerState | None:
     return GradScalerState(ScalerState(**fields), node["inner_state"], origin)
 
 
+# the methods of jaxscale.GradScaler that answer what the helpers below answer
+_FACADE_METHODS = ("get_scale", "found_inf", "skipped_steps", "metrics")
+
+
 def find_state(opt_state: Any) -> GradScalerState:
     """Return the single :class:`GradScalerState` inside ``opt_state``.
 
@@ -74,11 +78,15 @@ def find_state(opt_state: Any) -> GradScalerState:
     found = [state for state in map(_as_grad_scaler_state, leaves) if state is not None]
     if len(found) != 1:
         problem = "none" if not found else f"{len(found)}"
-        hint = (
-            "pass the state of an optimizer built with jaxscale.grad_scaler(...)"
-            if not found
-            else "pass the sub-state that holds the one you mean"
-        )
+        if found:
+            hint = "pass the sub-state that holds the one you mean"
+        elif all(callable(getattr(opt_state, name, None)) for name in _FACADE_METHODS):
+            # jaxscale.GradScaler, named by its methods: this layer sits below the facade
+            hint = "a jaxscale.GradScaler answers this with its own methods: " + ", ".join(
+                f"scaler.{name}()" for name in _FACADE_METHODS
+            )
+        else:
+            hint = "pass the state of an optimizer built with jaxscale.grad_scaler(...)"
         raise ValueError(
             f"expected one grad_scaler state in the {type(opt_state).__name__} given, "
             f"found {problem}; {hint}"

@@ -319,6 +319,16 @@ CASES = [
     Case("load_state_dict", "load_state_dict([('scale', 2.0)])", TypeError,
          "state_dict must be a dict, got list",
          lambda w: w.scaler.load_state_dict([("scale", 2.0)])),
+    # -- the transform's helpers -----------------------------------------------------------------
+    Case("helpers", "jaxscale.get_scale(optax.adam(1e-3).init(params))", ValueError,
+         "expected one grad_scaler state in the tuple given, found none; pass the state of an "
+         "optimizer built with jaxscale.grad_scaler(...)",
+         lambda w: jaxscale.get_scale(optax.adam(1e-3).init(w.params))),
+    Case("helpers", "jaxscale.skipped_steps(scaler)", ValueError,
+         "expected one grad_scaler state in the GradScaler given, found none; a "
+         "jaxscale.GradScaler answers this with its own methods: scaler.get_scale(), "
+         "scaler.found_inf(), scaler.skipped_steps(), scaler.metrics()",
+         lambda w: jaxscale.skipped_steps(w.scaler)),
     # -- update(new_scale) -----------------------------------------------------------------------
     Case("update", "scaler.update(1024)", AssertionError,
          "new_scale should be a float or a 1-element float array. Got int 1024.",

@@ -70,6 +70,21 @@ def test_no_scaler_state_is_an_error():
         jaxscale.get_scale(optax.adam(1e-3).init(PARAMS))
 
 
+@pytest.mark.parametrize("helper", ["get_scale", "found_inf", "skipped_steps", "metrics"])
+def test_the_pytorch_style_scaler_given_to_a_helper_names_its_own_methods(helper):
+    # jaxscale.skipped_steps(scaler) is a natural guess for a GradScaler user
+    scaler = jaxscale.GradScaler()
+    with pytest.raises(
+        ValueError,
+        match=r"found none; a jaxscale.GradScaler answers this with its own methods: "
+        r"scaler.get_scale\(\), scaler.found_inf\(\), scaler.skipped_steps\(\), "
+        r"scaler.metrics\(\)$",
+    ):
+        getattr(jaxscale, helper)(scaler)
+    assert float(scaler.get_scale()) == 65536.0
+    assert int(scaler.skipped_steps()) == 0
+
+
 def test_two_scaler_states_are_ambiguous():
     tx = optax.multi_transform(
         {"a": jaxscale.grad_scaler(sgd()), "b": jaxscale.grad_scaler(sgd())}, {"w": "a", "v": "b"}
