@@ -199,8 +199,9 @@ def _cond(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag
 
     def branch_fn(closed: Any) -> Any:
         def branch(*ops: Any) -> list[Any]:
-            autocaster.follow(ops, operands)
-            return autocaster.run(closed, ops, in_tags[1:])
+            return autocaster.eval_in_place_of(
+                closed.jaxpr, closed.consts, ops, operands, in_tags[1:]
+            )
 
         return branch
 
@@ -244,8 +245,7 @@ def _custom_jvp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
     traced = list(call.in_avals)  # abstract values: shapes, dtypes, varying mesh axes
 
     def primal(*args: Any) -> list[Any]:
-        autocaster.follow(args, invals)
-        return autocaster.run(call, args, in_tags)
+        return autocaster.eval_in_place_of(call.jaxpr, call.consts, args, invals, in_tags)
 
     def jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         out_shapes = jax.eval_shape(primal, *primals)
@@ -292,8 +292,7 @@ def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
     cotangent_avals = [_tangent_aval(a) for a in call.out_avals]
 
     def primal(*args: Any) -> list[Any]:
-        autocaster.follow(args, invals)
-        return autocaster.run(call, args, in_tags)
+        return autocaster.eval_in_place_of(call.jaxpr, call.consts, args, invals, in_tags)
 
     def forward(*inputs: Any) -> tuple[list[Any], tuple[list[Any], _BackwardFacts]]:
         values = [i.value for i in inputs]
@@ -308,8 +307,9 @@ def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
         _, res_tree, *rest = bind_params["out_trees"]()
         forwarded = list(rest[0]) if rest else [None] * res_tree.num_leaves
         computed = res_tree.num_leaves - sum(f is not None for f in forwarded)
-        autocaster.follow(values, invals)
-        outs = autocaster.run(fwd_jaxpr, values, in_tags)
+        outs = autocaster.eval_in_place_of(
+            fwd_jaxpr.jaxpr, fwd_jaxpr.consts, values, invals, in_tags
+        )
         # A residual the forward rule returned as a constant reaches the backward rule
         # as JAX passes it: the very value (a Python bool steering its code stays one).
         computed_values = iter(
