@@ -407,6 +407,32 @@ def test_an_unlisted_primitive_runs_exactly_as_traced():
     assert fn(A).shape == (4, 4)
 
 
+PERMUTED = jnp.asarray([5, 3, 1, 0, 2, 6])
+SCATTERS_INTO_NEW_ARRAYS = {
+    "segment_sum": lambda h, i: jax.ops.segment_sum(h, i, num_segments=3),
+    "zeros.at[i].add": lambda h, i: jnp.zeros((3, 4), h.dtype).at[i].add(h),
+    "segment_max": lambda h, i: jax.ops.segment_max(h, i, num_segments=3),
+    "zeros.at[p].set": lambda h, _: jnp.zeros((7, 4), h.dtype).at[PERMUTED].set(h),
+}
+
+
+@pytest.mark.parametrize("scatter", SCATTERS_INTO_NEW_ARRAYS.values(), ids=SCATTERS_INTO_NEW_ARRAYS)
+def test_a_scatter_into_a_new_array_runs_as_traced_in_float32(scatter):
+    # Scatters run as traced: a message-passing sum (segment_sum of a layer's float16
+    # output) accumulates its float16 values in float32 and returns float32, where
+    # PyTorch's index_add_ into torch.zeros(..., dtype=h.dtype) stays float16. The
+    # README's "Where jaxscale differs" has the row.
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(6, 4)), F32)
+    w = jnp.asarray(rng.normal(size=(4, 4)), F32)
+    index = jnp.asarray([0, 2, 2, 1, 0, 2])
+    got = jaxscale.autocast(lambda x, w: scatter(x @ w, index))(x, w)
+    half_product = (x.astype(F16) @ w.astype(F16)).astype(F32)
+    assert got.dtype == F32
+    # (a GPU's scatter-add may sum in another order: float32's accuracy, not its bits)
+    np.testing.assert_allclose(got, scatter(half_product, index), rtol=1e-6)
+
+
 # -- every primitive of the running JAX has a decision -------------------------------------------
 
 _LIST_PRIMITIVES = """
