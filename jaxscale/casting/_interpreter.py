@@ -59,7 +59,6 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -73,6 +72,7 @@ from jaxscale.core._jaxprs import (
     contains_jaxpr,
     equation_context,
     is_literal,
+    is_traced,
     is_variable,
     literal_value,
     name_stack_text,
@@ -194,10 +194,7 @@ def saturating_cast(value: Any, dtype: Any) -> Any:
 def captured_tags(consts: Sequence[Any]) -> list[Tag]:
     """What the constants a jaxpr captured when it was traced are: given and constant,
     and known unless they are an enclosing transformation's values."""
-    return [
-        Tag.GIVEN | Tag.CONSTANT | (Tag.NONE if isinstance(c, jax.core.Tracer) else Tag.KNOWN)
-        for c in consts
-    ]
+    return [Tag.GIVEN | Tag.CONSTANT | (Tag.NONE if is_traced(c) else Tag.KNOWN) for c in consts]
 
 
 def is_marked(eqn: Any) -> bool:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxscale.core import _leaves
+from jaxscale.core._jaxprs import is_traced
 from jaxscale.core._scaling import leaf_is_finite
 from jaxscale.core._state import ScalerState
 
@@ -71,7 +72,7 @@ def nonfinite_paths(tree: Any) -> list[str]:
     ["['dense']['kernel']"]
     """
     leaves = jax.tree_util.tree_leaves(tree)
-    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+    if any(is_traced(leaf) for leaf in leaves):
         raise TypeError(
             "nonfinite_paths reads values on the host and cannot run inside jit; return "
             "jaxscale.nonfinite_leaves(tree) from the jitted function and call it outside"
@@ -112,7 +113,7 @@ def warn_if_unhealthy(
     if warn_below is None and warn_above is None:
         return
     scale = metrics["scale"]
-    if isinstance(scale, jax.core.Tracer):
+    if is_traced(scale):
         raise TypeError(
             "warn_below/warn_above read the scale on the host; call metrics() with them "
             "outside jit (inside jit, call it without thresholds and log the arrays)"
@@ -188,7 +189,7 @@ def warn_about_scaled_loss(loss: Any, scaled: Any, stacklevel: int = 3) -> None:
             ScaleWarning,
             stacklevel=stacklevel,
         )
-    if isinstance(scaled, jax.core.Tracer) or isinstance(loss, jax.core.Tracer):
+    if is_traced(scaled) or is_traced(loss):
         return
     if bool(np.isfinite(np.asarray(loss, np.float64))) and not bool(
         np.isfinite(np.asarray(scaled, np.float64))

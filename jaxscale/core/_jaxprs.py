@@ -16,7 +16,9 @@ so that
   one it was traced under.
 
 Everything here uses ``jax.extend``, JAX's interface for libraries that
-transform jaxprs, and nothing else from JAX's internals."""
+transform jaxprs, and nothing else from JAX's internals. The test for a traced value
+(``jax.core.Tracer``), which every layer asks before reading a number or checking an
+argument, is here too, so that one module follows where JAX keeps it."""
 
 from __future__ import annotations
 
@@ -38,6 +40,12 @@ source_info_util.register_exclusion(os.path.dirname(os.path.dirname(os.path.absp
 
 Jaxpr = jex.Jaxpr
 ClosedJaxpr = jex.ClosedJaxpr
+
+
+def is_traced(value: Any) -> bool:
+    """Whether ``value`` is a tracer: known only when the traced function runs, so
+    neither readable as a Python number nor checkable before then."""
+    return isinstance(value, jax.core.Tracer)
 
 
 def is_literal(atom: Any) -> bool:

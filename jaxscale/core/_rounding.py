@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale.core._jaxprs import is_traced
+
 _LIMB_BITS = 16
 _LIMB_MASK = 0xFFFF
 _DOUBLE_SIGNIFICAND_BITS = 53
@@ -269,7 +271,7 @@ def multiply_as_double(x: jax.Array, factor: float) -> jax.Array:
     factor_significand, factor_exponent = decompose_factor(factor)
     if x.dtype != jnp.float32:
         raise TypeError(f"multiply_as_double expects a float32 array, got {x.dtype}")
-    if not isinstance(x, jax.core.Tracer):
+    if not is_traced(x):
         # A concrete value: NumPy's float64 multiply is C's double multiply and its
         # float32 cast rounds to nearest-even keeping subnormals, the same two roundings,
         # without dispatching the integer emulation below op by op.

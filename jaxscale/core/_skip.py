@@ -15,6 +15,7 @@ from jaxscale.core._jaxprs import (
     call_jaxpr,
     fresh_variable,
     inlined_equations,
+    is_traced,
     is_variable,
     select_equation,
     substituted,
@@ -177,7 +178,7 @@ def run_unless(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
     ``found_inf`` is a concrete array and a Python branch decides: eager execution
     already waits for every operation.
     """
-    if not isinstance(found_inf, jax.core.Tracer):
+    if not is_traced(found_inf):
         return carry if bool(found_inf) else fn(carry)
     return skip_by_select(found_inf, fn, carry)
 
@@ -196,7 +197,7 @@ def update_unless(
     update is selected against its ``-0.0`` where it is computed, so no buffer of
     ``-0.0`` is ever filled.
     """
-    if not isinstance(found_inf, jax.core.Tracer):
+    if not is_traced(found_inf):
         if not bool(found_inf):
             return update(grads, state)
         updates_shape, _ = jax.eval_shape(update, grads, state)

@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxscale.core._jaxprs import is_traced
+
 INT32_MAX = 2**31 - 1
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -27,7 +29,7 @@ def _describe(value: Any) -> str:
 
 def _as_scalar(name: str, value: Any) -> Any:
     """Unwrap a concrete 0-d array to a Python scalar; reject everything non-numeric."""
-    if isinstance(value, jax.core.Tracer):
+    if is_traced(value):
         raise TypeError(
             f"{name} must be a concrete Python number, not a traced array; "
             "hyperparameters are static configuration"

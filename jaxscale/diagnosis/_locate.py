@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale.core._jaxprs import is_traced
 from jaxscale.core._stateful_call import TracedCall
 from jaxscale.diagnosis._evaluator import NOT_IN_A_LOOP, CarryingEvaluator, Phase
 from jaxscale.diagnosis._frames import Location
@@ -157,7 +158,7 @@ class Locator(CarryingEvaluator):
     def value_info(self, value: Any) -> Info:
         if not is_floating(value):
             return None
-        if np.ndim(value) == 0 and not isinstance(value, jax.core.Tracer):
+        if np.ndim(value) == 0 and not is_traced(value):
             return nonfinite_code(value)  # a literal: known now
         return _Deferred(value)
 

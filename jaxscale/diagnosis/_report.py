@@ -19,6 +19,7 @@ import numpy as np
 from jax import lax
 
 from jaxscale.core._diagnostics import NonfiniteRecord, empty_nonfinite_record
+from jaxscale.core._jaxprs import is_traced
 from jaxscale.diagnosis._frames import Location
 
 INF, NAN = 1, 2
@@ -113,7 +114,7 @@ class NonfiniteReport:
         ``"a value the function closes over, shape (32, 8): inf (float32)"``; or
         ``"no inf or NaN was born in this call"``.
         """
-        if isinstance(self.record.found, jax.core.Tracer):
+        if is_traced(self.record.found):
             raise TypeError(
                 "describe() reads the report on the host; return the report from the "
                 "jitted function and call describe() outside"
@@ -128,7 +129,7 @@ class NonfiniteReport:
         return f"{where}: {_KIND_WORDS[int(record.kind)]} ({origin.dtype})"
 
     def __repr__(self) -> str:
-        if isinstance(self.record.found, jax.core.Tracer):
+        if is_traced(self.record.found):
             return f"NonfiniteReport(<traced>, {len(self.origins)} possible origins)"
         return f"NonfiniteReport({self.describe()!r})"
 
@@ -140,7 +141,7 @@ def nonfinite_code(value: Any) -> jax.Array:
     """
     if not is_floating(value):
         return jnp.zeros((), jnp.int32)
-    if np.ndim(value) == 0 and not isinstance(value, jax.core.Tracer):
+    if np.ndim(value) == 0 and not is_traced(value):
         known = np.asarray(value)
         return jnp.asarray(NAN * bool(np.isnan(known)) + INF * bool(np.isinf(known)), jnp.int32)
     return nonfinite_codes([value])[0]

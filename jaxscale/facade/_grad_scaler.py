@@ -37,6 +37,7 @@ from jaxscale.core._diagnostics import (
     warn_about_scaled_loss,
     warn_if_unhealthy,
 )
+from jaxscale.core._jaxprs import is_traced
 from jaxscale.core._leaves import floating_leaves, noted_on_failure
 from jaxscale.core._scaling import unscale
 from jaxscale.facade._iteration import Iteration, OptimizerRecord, Stage
@@ -96,10 +97,6 @@ def _backend_available(platform: str) -> bool:
         return bool(jax.devices(platform))
     except RuntimeError:
         return False
-
-
-def _is_traced(value: Any) -> bool:
-    return isinstance(value, jax.core.Tracer)
 
 
 def _when_enabled(default: Callable[..., Any]) -> Callable[[Callable[..., T]], Callable[..., T]]:
@@ -258,7 +255,7 @@ class GradScaler(nnx.Pytree):
 
     def _set_scaler_state(self, state: ScalerState) -> None:
         _write(self._state, state)
-        if any(_is_traced(leaf) for leaf in jax.tree.leaves(state)):
+        if any(is_traced(leaf) for leaf in jax.tree.leaves(state)):
             self._iteration.traced_update = True
         else:
             self._iteration.seen_state = self._state_leaves()
@@ -275,7 +272,7 @@ class GradScaler(nnx.Pytree):
         if not iteration.traced_update:
             return
         leaves = self._state_leaves()
-        if any(_is_traced(leaf) for leaf in leaves):
+        if any(is_traced(leaf) for leaf in leaves):
             return
         lost = len(leaves) == len(iteration.seen_state) and all(
             a is b for a, b in zip(leaves, iteration.seen_state, strict=True)
@@ -629,7 +626,7 @@ def _unchanged(grads: T) -> T:
 
 def _concrete(value: jax.Array, kind: Callable[[Any], T]) -> Any:
     """``kind(value)`` (a Python number) outside ``jit``; the traced array itself inside."""
-    return value if _is_traced(value) else kind(value)
+    return value if is_traced(value) else kind(value)
 
 
 def _refuse_still_scaled(record: OptimizerRecord, grads: Any) -> None:
@@ -688,7 +685,7 @@ def _as_new_scale(new_scale: Any, current: jax.Array) -> jax.Array:
     reason = "new_scale should be a float or a 1-element float array."
     if isinstance(new_scale, float):
         value = jnp.asarray(new_scale, jnp.float32)
-    elif isinstance(new_scale, (jax.Array, jax.core.Tracer)):
+    elif isinstance(new_scale, jax.Array) or is_traced(new_scale):
         if new_scale.size != 1:
             raise AssertionError(reason + f" Got an array of shape {tuple(new_scale.shape)}.")
         if not jnp.issubdtype(new_scale.dtype, jnp.floating):
@@ -696,11 +693,11 @@ def _as_new_scale(new_scale: Any, current: jax.Array) -> jax.Array:
         value = new_scale.reshape(()).astype(jnp.float32)
     else:
         raise AssertionError(reason + f" Got {type(new_scale).__name__} {new_scale!r}.")
-    if _is_traced(value):
+    if is_traced(value):
         return value  # a traced value cannot be inspected: taken as it is
     number = float(value)
     if not (math.isfinite(number) and number > 0.0):
         raise ValueError(f"new_scale must be positive and finite in float32, got {number!r}")
-    if not _is_traced(current):
+    if not is_traced(current):
         value = jax.device_put(value, current.sharding)
     return value
