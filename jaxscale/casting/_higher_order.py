@@ -11,6 +11,7 @@ its carry's type to be the same on every iteration.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,6 +88,46 @@ def _xla_metadata_call(
         body, metadata=dict(params["xla_metadata"]), ad_metadata=ad_metadata
     )
     return list(rebuilt(*invals)), []
+
+
+@_register("compute_on")
+def _compute_on(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
+    # jax.experimental.compute_on's function form (host offloading): the call is rebuilt
+    # with the same compute type, output memory spaces and compiler options around the
+    # function under autocast, so its operations still run where they were placed
+    from jax.experimental import compute_on as module
+
+    # JAX 0.10 and 0.11.0 name the function form compute_on2 (compute_on is a context
+    # manager there); from JAX 0.11.1 it is compute_on
+    compute_on: Any = getattr(module, "compute_on2", module.compute_on)
+    jaxpr, consts = called_program(eqn)
+    params = eqn.params
+    options = params["compiler_options_json"]
+
+    def body(*args: Any) -> list[Any]:
+        return autocaster.eval_in_place_of(jaxpr, consts, args, invals, in_tags)
+
+    rebuilt = compute_on(
+        body,
+        compute_type=params["compute_type"],
+        out_memory_spaces=list(params["out_memory_spaces"]),
+        compiler_options=None if options is None else json.loads(options),
+    )
+    return list(rebuilt(*invals)), []
+
+
+@_register("fused_call")
+def _fused(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
+    # jax.experimental.fused: a function XLA must compile as one GPU kernel, rebuilt
+    # with the same output memory spaces around the function under autocast
+    from jax.experimental.fused import fused
+
+    jaxpr, consts = called_program(eqn)
+
+    def body(*args: Any) -> list[Any]:
+        return autocaster.eval_in_place_of(jaxpr, consts, args, invals, in_tags)
+
+    return list(fused(out_spaces=eqn.params["out_spaces"])(body)(*invals)), []
 
 
 @_register("custom_linear_solve", "pallas_call")

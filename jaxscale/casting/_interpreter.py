@@ -98,6 +98,15 @@ class Tag(enum.Flag):
 
 # Primitives that move values without arithmetic: what a value is survives them.
 _VIEWS = {"reshape", "transpose", "squeeze", "copy", "name", "device_put", "xla_metadata_value"}
+# Primitives that take several values and treat each on its own: a barrier, a transfer,
+# a sort that carries values along with its keys, a collective of several arrays. No
+# arithmetic joins the values, so each keeps the dtype it has and none is promoted (a
+# float16 activation held at an optimization_barrier beside float32 weights stays float16).
+_EACH_OPERAND_ON_ITS_OWN = {
+    "optimization_barrier", "device_put", "sort", "shard_alike",
+    "host_local_array_to_global_array", "global_array_to_host_local_array",
+    "psum", "pmax", "pmin", "psum_invariant", "ppermute", "pbroadcast", "pvary",
+}  # fmt: skip
 # First-order primitives that carry a jaxpr of their own (an update or reduction
 # function): not higher-order in meaning, so they run as traced.
 _OPAQUE_WITH_JAXPR = {
@@ -435,7 +444,7 @@ class Autocaster:
             bias_summed_in_float32 = (
                 invals[addend].dtype in _HALF and Tag.KNOWN not in in_tags[addend]
             )
-        else:
+        elif name not in _EACH_OPERAND_ON_ITS_OWN:
             invals = self._promote_to_widest(invals, in_tags, traced)
 
         if name in _ACCUMULATES_IN_FLOAT32 and invals[0].dtype in _HALF:
@@ -634,7 +643,9 @@ def _structural_tags(
         return [maximum] * count
     if name in _VIEWS:
         dropped = Tag.CONSTANT | Tag.KNOWN | Tag.MAXIMUM | Tag.STABILIZER | Tag.EXPANDED
-        return [(in_tags[0] & ~dropped) | _expanded(eqn, in_tags[0])] * count
+        # a view of several values (device_put of a tuple) passes each one's facts on
+        sources = in_tags if name in _EACH_OPERAND_ON_ITS_OWN else [in_tags[0]] * count
+        return [(tag & ~dropped) | _expanded(eqn, tag) for tag in sources]
     if name == "convert_element_type":
         return [in_tags[0] & (Tag.SCALAR | Tag.BROADCAST | Tag.GIVEN | Tag.EXPANDED)]
     if name == "broadcast_in_dim":

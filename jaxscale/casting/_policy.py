@@ -132,6 +132,9 @@ _TABLE: list[tuple[str, Precision, str]] = [
     ("convert_element_type", WIDEST, ".to(dtype), .float(), .half(): kept as written"),
     ("stop_gradient", WIDEST, "detach"), ("optimization_barrier", WIDEST, _MOVES),
     ("sharding_constraint", WIDEST, _MOVES), ("reshard", WIDEST, _MOVES),
+    ("shard_alike", WIDEST, "shard_alike(x, y): gives two values one sharding, keeps each dtype"),
+    ("host_local_array_to_global_array", WIDEST, _MOVES),
+    ("global_array_to_host_local_array", WIDEST, _MOVES),
     ("psum", WIDEST, _COLLECTIVE), ("pmax", WIDEST, _COLLECTIVE), ("pmin", WIDEST, _COLLECTIVE),
     ("psum_invariant", WIDEST, _COLLECTIVE), ("all_gather", WIDEST, _COLLECTIVE),
     ("all_gather_invariant", WIDEST, _COLLECTIVE), ("ppermute", WIDEST, _COLLECTIVE),
@@ -239,8 +242,24 @@ AS_TRACED: Mapping[str, str] = {
     ),
     **_group(
         "host callbacks, foreign functions and checks",
-        "pure_callback io_callback debug_callback debug_print inspect_sharding ffi_call "
-        "shape_assertion unreachable",
+        "pure_callback io_callback debug_callback buffer_callback debug_print inspect_sharding "
+        "ffi_call shape_assertion unreachable",
+    ),
+    **_group(
+        "sparse arrays (jax.experimental.sparse): JAX's sparse matmul kernels (cuSPARSE) "
+        "take float32 and wider; a half-precision sparse product falls back to a gather "
+        "and a scatter-add that sums in half precision, so a sparse matmul runs in the "
+        "dtype it was written in, where PyTorch's autocast runs torch.sparse.mm in float16",
+        "bcoo_dot_general bcoo_dot_general_sampled bcoo_extract bcoo_fromdense "
+        "bcoo_sort_indices bcoo_spdot_general bcoo_sum_duplicates bcoo_todense bcoo_transpose "
+        "bcsr_dot_general bcsr_extract bcsr_fromdense bcsr_todense coo_fromdense coo_matmat "
+        "coo_matvec coo_spmm coo_spmv coo_todense csr_fromdense csr_matmat csr_matvec csr_spmm "
+        "csr_spmv csr_todense spsolve todense",
+    ),
+    **_group(
+        "cuDNN's LSTM (jax.experimental.rnn): JAX's kernel takes float32 only, so it runs "
+        "as written, where PyTorch's autocast runs cuDNN's RNNs in float16",
+        "rnn_fwd rnn_bwd",
     ),
     **_group(
         "asynchronous halves of collectives, point-to-point transfers and sharding casts",
@@ -267,7 +286,10 @@ AS_TRACED: Mapping[str, str] = {
 }
 """First-order primitives that run as traced on purpose, each with the reason. With
 :data:`POLICY`, the higher-order rules and :data:`UNSUPPORTED_HIGHER_ORDER` this names
-every primitive JAX 0.10 to 0.12 defines (a test checks the running JAX against it)."""
+every primitive JAX 0.10 to 0.12 defines, in ``jax`` and in the experimental modules
+that define primitives of their own (``sparse``, ``rnn``, ``compute_on``, ``fused``,
+``shard_alike``, ``buffer_callback``, ``multihost_utils``, ``overlap``); a test checks
+the running JAX against it."""
 
 UNSUPPORTED_HIGHER_ORDER: Mapping[str, str] = _group(
     "a higher-order primitive autocast does not reach inside: it raises NotImplementedError "
@@ -291,7 +313,8 @@ VERSION_SPECIFIC: Mapping[str, str] = {
         "JAX 0.11 and later",
         "log2 one_minus_square relayout unreduced_pmax unreduced_pmin with_memory_space_constraint",
     ),
-    **_group("JAX 0.11 only", "program_order"),
+    **_group("JAX 0.11.2 and later (in jax.experimental.overlap from JAX 0.12)", "program_order"),
+    **_group("JAX 0.10 to 0.11.1", "shard_alike"),
     **_group("JAX 0.11 and later, as a higher-order rule", "xla_metadata_call"),
     **_group(
         "JAX 0.12 and later",

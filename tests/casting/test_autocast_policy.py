@@ -433,6 +433,124 @@ def test_a_scatter_into_a_new_array_runs_as_traced_in_float32(scatter):
     np.testing.assert_allclose(got, scatter(half_product, index), rtol=1e-6)
 
 
+def _side_by_side():
+    cases = {
+        "optimization_barrier": lambda h, w: lax.optimization_barrier((h, w)),
+        "sort carrying values": lambda h, w: lax.sort((h, w), num_keys=1),
+        "device_put": lambda h, w: jax.device_put((h, w)),
+    }
+    try:  # JAX 0.10 to 0.11.1
+        from jax.experimental.shard_alike import shard_alike
+    except ImportError:
+        return cases
+    return {**cases, "shard_alike": shard_alike}
+
+
+@pytest.mark.parametrize("together", _side_by_side().values(), ids=_side_by_side())
+def test_values_passed_side_by_side_keep_their_own_dtypes(together):
+    # a float16 activation held at a barrier beside float32 weights (or moved, or sorted
+    # with them) is not promoted: no arithmetic joins the two
+    h, w = jaxscale.autocast(lambda x, w: together(x @ w, w))(A, B)
+    assert (h.dtype, w.dtype) == (F16, F32)
+    expected_h, expected_w = together(A.astype(F16) @ B.astype(F16), B)
+    np.testing.assert_array_equal(h, expected_h)
+    np.testing.assert_array_equal(w, expected_w)
+
+
+def test_an_array_moved_beside_a_scalar_still_promotes_as_an_array():
+    # jax.device_put of (a 0-d value, a residual): the residual is not taken for a
+    # scalar, so adding it to a float16 product promotes to float32, as PyTorch's + does
+    def fn(x, w, residual):
+        _, residual = jax.device_put((jnp.float32(2.0), residual))
+        return x @ w + residual
+
+    assert jaxscale.autocast(fn)(A, B, H).dtype == F32
+    assert jaxscale.autocast(lambda x, w, r: x @ w + jax.device_put(r))(A, B, H).dtype == F32
+
+
+SPARSE_MATMULS = ("bcoo_dot_general", "bcsr_dot_general")
+
+
+def _sparse_formats():
+    from jax.experimental import sparse
+
+    return {"BCOO": sparse.BCOO.fromdense, "BCSR": sparse.BCSR.fromdense}
+
+
+@pytest.mark.parametrize("to_sparse", _sparse_formats().values(), ids=_sparse_formats())
+def test_a_sparse_matmul_runs_in_the_dtype_it_was_written_in(to_sparse):
+    # a graph convolution's adjacency @ (x @ w): the dense matmul is float16, the sparse
+    # one float32, as written (JAX's sparse kernels take float32; PyTorch's autocast runs
+    # torch.sparse.mm in float16). The README's "Where jaxscale differs" has the row.
+    adjacency = to_sparse(jnp.asarray(np.random.default_rng(2).random((4, 4)) < 0.5, F32))
+    fn = jaxscale.autocast(lambda x, w: adjacency @ (x @ w))
+    got = fn(A, B)
+    assert got.dtype == F32
+    expected = adjacency @ (A.astype(F16) @ B.astype(F16)).astype(F32)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    jaxpr = jax.make_jaxpr(fn)(A, B)
+    [product] = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in SPARSE_MATMULS]
+    floating = [v.aval.dtype for v in product.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)]
+    assert floating == [F32, F32]  # the sparse values and the dense operand
+    grad = jax.grad(lambda w: jnp.sum(fn(A, w)))(B)
+    np.testing.assert_allclose(grad, jax.grad(lambda w: jnp.sum(adjacency @ (A @ w)))(B), rtol=1e-2)
+
+
+def _compute_on():
+    from jax.experimental import compute_on as module
+
+    # the function form: compute_on2 in JAX 0.10 and 0.11.0, compute_on from 0.11.1
+    return getattr(module, "compute_on2", module.compute_on)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_compute_on_call_stays_one_with_autocast_inside(mode):
+    # host offloading: the function runs on the host, in the autocast dtype
+    def block(x, w):
+        on_host = _compute_on()(
+            lambda x: jnp.tanh(x @ w),
+            compute_type="device_host",
+            out_memory_spaces=jax.memory.Space.Device,
+        )
+        return on_host(x) @ w
+
+    fn = jaxscale.autocast(block)
+    got = (jax.jit(fn) if mode == "jit" else fn)(A, B)
+    assert got.dtype == F16
+    np.testing.assert_allclose(np.asarray(got, F32), block(A, B), rtol=1e-2, atol=1e-2)
+    [outer] = [e for e in jax.make_jaxpr(fn)(A, B).eqns if e.primitive.name == "compute_on"]
+    [plain] = [e for e in jax.make_jaxpr(block)(A, B).eqns if e.primitive.name == "compute_on"]
+    for param in ("compute_type", "out_memory_spaces", "compiler_options_json"):
+        assert outer.params[param] == plain.params[param]
+    inner = [e for e in equations(outer.params["jaxpr"]) if e.primitive.name == "dot_general"]
+    assert [str(e.outvars[0].aval.dtype) for e in inner] == ["float16"]
+    hlo = jax.jit(fn).lower(A, B).as_text()
+    assert re.search(r"stablehlo\.dot_general.*_xla_compute_type = \"host\".*tensor<4x4xf16>", hlo)
+    grad = jax.grad(lambda w: jnp.sum(fn(A, w).astype(F32)))(B)
+    expected = jax.grad(lambda w: jnp.sum(block(A, w)))(B)
+    np.testing.assert_allclose(grad, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_a_fused_kernel_stays_one_with_autocast_inside():
+    # jax.experimental.fused: one GPU kernel (lowered for CUDA only), here as traced and
+    # as lowered for a GPU
+    from jax.experimental.fused import fused
+
+    def block(x, w):
+        # (its operands in one memory space: passed in, not closed over)
+        kernel = fused(out_spaces=(jax.memory.Space.Device,))(lambda x, w: jnp.tanh(x @ w))
+        return kernel(x, w) @ w
+
+    fn = jaxscale.autocast(block)
+    [outer] = [e for e in jax.make_jaxpr(fn)(A, B).jaxpr.eqns if e.primitive.name == "fused_call"]
+    assert outer.params["out_spaces"] == (jax.memory.Space.Device,)
+    inner = [e for e in equations(outer.params["jaxpr"]) if e.primitive.name == "dot_general"]
+    assert [str(e.outvars[0].aval.dtype) for e in inner] == ["float16"]
+    assert jax.eval_shape(fn, A, B).dtype == F16
+    report = jaxscale.lowering_report(fn, A, B, platform="cuda")
+    assert report.matmul_dtypes == {"f16 x f16 -> f16": 2}
+
+
 # -- every primitive of the running JAX has a decision -------------------------------------------
 
 _LIST_PRIMITIVES = """
@@ -460,6 +578,18 @@ names |= primitive_names() & {"pallas_call"}
 # XLA metadata (set_xla_metadata on a value; xla_metadata_call from JAX 0.11)
 import jax.experimental.xla_metadata
 names |= primitive_names() & {"xla_metadata_value", "xla_metadata_call"}
+# Every experimental module a user may import that defines primitives of its own (not
+# thunky, from JAX 0.12, whose primitives make up GPU runtime programs, not traced
+# functions); each module only where the running JAX has it
+import importlib
+loaded = primitive_names()
+for module in ("sparse", "rnn", "compute_on", "fused", "shard_alike", "buffer_callback",
+               "multihost_utils", "overlap"):
+    try:
+        importlib.import_module("jax.experimental." + module)
+    except ImportError:
+        continue
+names |= primitive_names() - loaded
 print(" ".join(sorted(names)))
 """
 
@@ -511,6 +641,7 @@ def test_every_primitive_name_the_interpreter_singles_out_exists_in_the_running_
 
     for where, names in {
         "views": interpreter._VIEWS,
+        "each operand on its own": interpreter._EACH_OPERAND_ON_ITS_OWN,
         "broadcasting elementwise": interpreter._BROADCASTING_ELEMENTWISE,
         "accumulating in float32": interpreter._ACCUMULATES_IN_FLOAT32,
         "divided before rounding": interpreter._DIVIDED_BEFORE_ROUNDING,

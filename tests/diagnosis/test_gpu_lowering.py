@@ -132,6 +132,20 @@ def test_lowering_report_takes_a_jitted_function_and_shapes():
     assert not report.syncs_with_host
 
 
+def test_lowering_report_reads_a_step_with_custom_calls_jax_does_not_keep_stable():
+    # jax.export refuses to serialise a foreign function or a fused kernel that JAX does
+    # not promise to keep stable; the report only reads the module, so it allows them
+    def step(w, x):
+        kernel = jax.ffi.ffi_call("my$kernel", jax.ShapeDtypeStruct(x.shape, x.dtype))
+        return jaxscale.autocast(lambda w, x: jnp.tanh(kernel(x) @ w) @ w)(w, x)
+
+    with pytest.raises(ValueError, match="custom calls whose targets"):
+        jax.export.export(jax.jit(step), platforms=["cuda"])(jnp.ones((4, 4)), jnp.ones((2, 4)))
+    report = jaxscale.lowering_report(step, jnp.ones((4, 4)), jnp.ones((2, 4)))
+    assert report.matmul_dtypes == {"f16 x f16 -> f16": 2}
+    assert not report.syncs_with_host
+
+
 @pytest.mark.parametrize(
     ("fn", "platform", "error", "message"),
     [
