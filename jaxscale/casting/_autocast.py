@@ -16,6 +16,7 @@ from jaxscale.casting._hidden_state import refuse_inside_hidden_state
 from jaxscale.casting._interpreter import MARKER, Autocaster, Tag, cast_floating
 from jaxscale.casting._policy import validated_device_type
 from jaxscale.casting._region import DEFAULT_DTYPES, autocast_state
+from jaxscale.casting._state_writes import state_writes_marked
 from jaxscale.core import _validation as validation
 from jaxscale.core._stateful_call import TracedCall
 
@@ -184,11 +185,20 @@ class _Decorator:
 def _run(
     autocaster: Autocaster, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    call = TracedCall(fn, args, kwargs)
+    with state_writes_marked():
+        call = TracedCall(fn, args, kwargs)
     outs = autocaster.run(call.closed, call.inputs, [Tag.GIVEN] * len(call.inputs))
     count = len(outs) - len(call.state_dtypes)
-    # state written by the call goes back in the dtypes it was traced with
-    return call.finish([*outs[:count], *cast_floating(outs[count:], call.state_dtypes)])
+    # state written by the call goes back in the dtypes it was traced with, as PyTorch
+    # updates a buffer in place: an NNX module's variables, and the state a functional
+    # module system threads through the call (an Equinox State, Linen's mutable
+    # collections) among the results
+    traced = [aval.dtype for aval in call.closed.out_avals[:count]]
+    results = [
+        cast_floating([out], [dtype])[0] if threaded else out
+        for out, dtype, threaded in zip(outs[:count], traced, call.threaded_outputs, strict=True)
+    ]
+    return call.finish([*results, *cast_floating(outs[count:], call.state_dtypes)])
 
 
 def _validated_dtype(dtype: Any) -> np.dtype:

@@ -259,3 +259,18 @@ def _call_params(n_in: int, n_out: int, mesh: Any) -> dict[str, Any]:
     traced = jax.make_jaxpr(jax.jit(template))(*[scalar] * n_in)
     (call,) = [eqn for eqn in traced.jaxpr.eqns if eqn.primitive.name == "jit"]
     return {key: value for key, value in call.params.items() if key not in ("jaxpr", "name")}
+
+
+def identity_primitive(name: str) -> Any:
+    """A primitive that returns its one operand unchanged, under every transformation
+    (evaluation, lowering, differentiation, ``vmap``): a mark a transform can find in a
+    jaxpr it traced, on a value that passes through it as it is."""
+    from jax.interpreters import ad, batching, mlir
+
+    primitive = jex.Primitive(name)
+    primitive.def_impl(lambda x: x)
+    primitive.def_abstract_eval(lambda aval: aval)
+    mlir.register_lowering(primitive, mlir.lower_fun(lambda x: x, multiple_results=False))
+    ad.deflinear2(primitive, lambda cotangent, _: [cotangent])
+    batching.primitive_batchers[primitive] = lambda args, dims: (primitive.bind(*args), dims[0])
+    return primitive

@@ -115,6 +115,10 @@ class StatefulCall:
             i: leaf for i, leaf in enumerate(output_leaves) if not _is_array(leaf)
         }
         arrays = [leaf for i, leaf in enumerate(output_leaves) if i not in self.static_outputs]
+        threaded = _threaded_state(output)
+        self.threaded_outputs = [
+            was for i, was in enumerate(threaded) if i not in self.static_outputs
+        ]
         return arrays, new_state
 
     def output(self, arrays: list[Any]) -> Any:
@@ -147,6 +151,22 @@ class StatefulCall:
             }
             state = _nnx().filter_state(state, lambda path, _: tuple(path) in written_paths)
         _nnx().update(self._nodes, state)
+
+
+def _threaded_state(output: Any) -> list[bool]:
+    """For each leaf of ``output``: whether it is state the call was given and returns
+    updated, as Equinox threads an ``eqx.nn.State`` through a call. An NNX module's
+    state is written back into its objects instead (:meth:`StatefulCall.write_back`);
+    a Linen module's writes are marked where they are made
+    (``jaxscale.casting._state_writes``)."""
+    equinox = sys.modules.get("equinox")
+    state_type = getattr(getattr(equinox, "nn", None), "State", None)
+    if state_type is None:
+        return [False] * len(jax.tree.leaves(output))
+    threaded: list[bool] = []
+    for part in jax.tree.leaves(output, is_leaf=lambda x: isinstance(x, state_type)):
+        threaded += [isinstance(part, state_type)] * len(jax.tree.leaves(part))
+    return threaded
 
 
 def _variable_path(path: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -227,6 +247,13 @@ class TracedCall:
             "decides Python control flow (if, int(), a shape) is passed as a Python number "
             "or bool, not as an array; or use jax.lax.cond / jnp.where."
         )
+
+    @property
+    def threaded_outputs(self) -> list[bool]:
+        """For each array output: whether it is state the call was given and returns
+        updated (an Equinox ``State``'s leaves), which a transform that casts gives
+        back in its traced dtype."""
+        return self._call.threaded_outputs
 
     def finish(self, outs: list[Any]) -> Any:
         results, new_state = outs[: self._out_count], outs[self._out_count :]

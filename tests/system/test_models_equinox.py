@@ -348,3 +348,68 @@ def test_bias_gradients_of_a_model_autocast_per_example_are_summed_over_the_batc
 def _linears(tree):
     is_linear = lambda node: isinstance(node, eqx.nn.Linear)  # noqa: E731
     return [node for node in jax.tree.leaves(tree, is_leaf=is_linear) if is_linear(node)]
+
+
+class SpectralCritic(eqx.Module):
+    """A GAN critic held to Lipschitz 1 by ``eqx.nn.SpectralNorm``: each layer's power
+    iteration keeps its vectors in an ``eqx.nn.State``, updated on every call."""
+
+    layers: list
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 3)
+        sizes = [(6, 32), (32, 32), (32, 1)]
+        self.layers = [
+            eqx.nn.SpectralNorm(eqx.nn.Linear(a, b, key=k), "weight", key=k)
+            for (a, b), k in zip(sizes, keys, strict=True)
+        ]
+
+    def __call__(self, x, state):
+        for layer in self.layers[:-1]:
+            x, state = layer(x, state)
+            x = jax.nn.leaky_relu(x)
+        return self.layers[-1](x, state)
+
+
+def critic_loss(critic, state, x, y):
+    per_example = jax.vmap(critic, in_axes=(0, None), out_axes=(0, None))
+    scores, state = per_example(x, state)
+    return jnp.mean((scores[:, 0] - y) ** 2), state
+
+
+def test_spectral_norm_state_keeps_its_dtype_through_autocast_steps_scanned():
+    # The power iteration's vectors are matmul results (float16 under autocast). State
+    # is updated as PyTorch updates a buffer, in place: it comes back float32, as
+    # Equinox's State.set requires, so a lax.scan over steps keeps its carry's type.
+    critic, state = eqx.nn.make_with_state(SpectralCritic)(jax.random.key(0))
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(16, 6)), F32)
+    y = jnp.tanh(x[:, 0])
+    loss_fn = jaxscale.autocast(critic_loss)
+    _, once = loss_fn(critic, state, x, y)
+    assert [leaf.dtype for leaf in jax.tree.leaves(once)] == [F32] * 6
+    params, static = eqx.partition(critic, eqx.is_inexact_array)
+    optimizer = jaxscale.grad_scaler(optax.adam(3e-3), init_scale=2.0**10)
+
+    def step(carry, _):
+        params, state, opt_state = carry
+
+        def scaled(params):
+            loss, new_state = loss_fn(eqx.combine(params, static), state, x, y)
+            return jaxscale.scale(loss, opt_state), (loss, new_state)
+
+        grads, (loss, state) = jax.grad(scaled, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), state, opt_state), loss
+
+    carry = (params, state, optimizer.init(params))
+    (params, state, opt_state), losses = jax.jit(
+        lambda carry: jax.lax.scan(step, carry, length=40)
+    )(carry)
+    assert all(leaf.dtype == F32 for leaf in jax.tree.leaves(state))
+    assert int(jaxscale.skipped_steps(opt_state)) == 0
+    assert float(losses[-1]) < 0.5 * float(losses[0])
+    # the state moved: each layer's vectors are another power-iteration step on
+    u, v = jax.tree.leaves(state)[:2]
+    u0, v0 = jax.tree.leaves(eqx.nn.make_with_state(SpectralCritic)(jax.random.key(0))[1])[:2]
+    assert not np.allclose(u, u0)
+    assert not np.allclose(v, v0)

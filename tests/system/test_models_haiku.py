@@ -181,3 +181,58 @@ def test_layer_stack_of_remat_blocks_trains_like_float32(precision):
     assert_all_matmuls_in(precision, jaxpr)
     primitives = {eqn.primitive.name for eqn in equations(jaxpr)}
     assert {"scan", "remat2"} <= primitives  # the layers' scan, each block's jax.checkpoint
+
+
+def spectral_critic(x):
+    """A GAN critic whose weights ``hk.SpectralNorm`` normalises: the power iteration
+    keeps ``u0`` and its estimate ``sigma`` in Haiku's state (``hk.set_state``)."""
+    for width in (32, 32, 1):
+        w = hk.get_parameter(
+            f"w{width}_{x.shape[-1]}", (x.shape[-1], width), init=hk.initializers.VarianceScaling()
+        )
+        x = x @ hk.SpectralNorm(name=f"spectral_{width}_{x.shape[-1]}")(w)
+        if width > 1:
+            x = jax.nn.leaky_relu(x)
+    return x[:, 0]
+
+
+def test_spectral_norm_state_keeps_its_dtype_so_a_scanned_loop_keeps_its_carry():
+    # sigma is a matmul's result (float16 under autocast); set as state, it comes back
+    # in its float32, as PyTorch updates a buffer in place, so the state fits a
+    # lax.scan's carry over training steps
+    model = hk.without_apply_rng(hk.transform_with_state(spectral_critic))
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.normal(size=(16, 6)), F32)
+    y = jnp.tanh(x[:, 0])
+    params, state = model.init(jax.random.key(0), x)
+
+    def loss_fn(params, state):
+        scores, state = model.apply(params, state, x)
+        return jnp.mean((scores - y) ** 2), state
+
+    autocast_loss = jaxscale.autocast(loss_fn)
+    _, once = autocast_loss(params, state)
+    _, reference = loss_fn(params, state)
+    assert [leaf.dtype for leaf in jax.tree.leaves(once)] == [F32] * 6
+    for name, values in once.items():
+        np.testing.assert_allclose(values["sigma"], reference[name]["sigma"], rtol=1e-2)
+
+    tx = jaxscale.grad_scaler(optax.adam(3e-3), init_scale=2.0**10)
+
+    def step(carry, _):
+        params, state, opt_state = carry
+
+        def scaled(params):
+            loss, new_state = autocast_loss(params, state)
+            return jaxscale.scale(loss, opt_state), (loss, new_state)
+
+        grads, (loss, state) = jax.grad(scaled, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), state, opt_state), loss
+
+    carry = (params, state, tx.init(params))
+    (_, trained, opt_state), losses = jax.jit(lambda c: jax.lax.scan(step, c, length=40))(carry)
+    assert all(leaf.dtype == F32 for leaf in jax.tree.leaves(trained))
+    assert int(jaxscale.skipped_steps(opt_state)) == 0
+    assert float(losses[-1]) < 0.5 * float(losses[0])
+    assert not np.allclose(jax.tree.leaves(trained)[0], jax.tree.leaves(state)[0])

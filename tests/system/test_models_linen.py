@@ -225,3 +225,71 @@ def test_a_disabled_region_inside_a_linen_module_is_allowed():
     variables = model.init(jax.random.key(0), jnp.ones((2, 3)))
     out = jaxscale.autocast(model.apply)(variables, jnp.ones((2, 3)))
     assert out.dtype == F32
+
+
+class SpectralCritic(nn.Module):
+    """A GAN critic held to Lipschitz 1 by ``nn.SpectralNorm``: each layer's power
+    iteration keeps ``u`` and its estimate ``sigma`` in the ``batch_stats`` collection."""
+
+    @nn.compact
+    def __call__(self, x, *, train: bool):
+        for width in (32, 32):
+            x = nn.leaky_relu(nn.SpectralNorm(nn.Dense(width))(x, update_stats=train))
+        self.sow("intermediates", "features", x)
+        return nn.SpectralNorm(nn.Dense(1))(x, update_stats=train)
+
+
+def test_spectral_norm_statistics_keep_their_dtype_so_a_scanned_loop_keeps_its_carry():
+    # sigma is a matmul's result, float16 under autocast. PyTorch updates a buffer in
+    # place, in its own dtype; here the updated collection comes back float32 too, so
+    # the statistics neither change dtype after a step nor break a lax.scan's carry.
+    # What the call sows is its own result, in float16.
+    model = SpectralCritic()
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(16, 6)), F32)
+    y = jnp.tanh(x[:, 0])
+    variables = model.init(jax.random.key(0), x, train=False)
+
+    def loss_fn(params, stats):
+        scores, updates = model.apply(
+            {"params": params, "batch_stats": stats},
+            x,
+            train=True,
+            mutable=["batch_stats", "intermediates"],
+        )
+        return jnp.mean((scores[:, 0] - y) ** 2), updates
+
+    autocast_loss = jaxscale.autocast(loss_fn)
+    _, updates = autocast_loss(variables["params"], variables["batch_stats"])
+    _, reference = loss_fn(variables["params"], variables["batch_stats"])
+    assert [leaf.dtype for leaf in jax.tree.leaves(updates["batch_stats"])] == [F32] * 6
+    assert updates["intermediates"]["features"][0].dtype == F16
+    sigmas = {
+        (layer, key): value
+        for layer, values in updates["batch_stats"].items()
+        for key, value in values.items()
+        if key.endswith("/sigma")
+    }
+    assert len(sigmas) == 3
+    for (layer, key), got in sigmas.items():
+        np.testing.assert_allclose(got, reference["batch_stats"][layer][key], rtol=1e-2)
+
+    tx = jaxscale.grad_scaler(optax.adam(3e-3), init_scale=2.0**10)
+
+    def step(carry, _):
+        params, stats, opt_state = carry
+
+        def scaled(params):
+            loss, updates = autocast_loss(params, stats)
+            return jaxscale.scale(loss, opt_state), (loss, updates["batch_stats"])
+
+        grads, (loss, stats) = jax.grad(scaled, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), stats, opt_state), loss
+
+    carry = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))
+    (_, stats, opt_state), losses = jax.jit(lambda c: jax.lax.scan(step, c, length=40))(carry)
+    assert all(leaf.dtype == F32 for leaf in jax.tree.leaves(stats))
+    assert int(jaxscale.skipped_steps(opt_state)) == 0
+    assert float(losses[-1]) < 0.5 * float(losses[0])
+    assert not np.allclose(jax.tree.leaves(stats)[0], jax.tree.leaves(variables["batch_stats"])[0])
