@@ -190,9 +190,8 @@ def _run(
     outs = autocaster.run(call.closed, call.inputs, [Tag.GIVEN] * len(call.inputs))
     count = len(outs) - len(call.state_dtypes)
     # state written by the call goes back in the dtypes it was traced with, as PyTorch
-    # updates a buffer in place: an NNX module's variables, and the state a functional
-    # module system threads through the call (an Equinox State, Linen's mutable
-    # collections) among the results
+    # updates a buffer in place: an NNX module's variables, and an Equinox State among
+    # the results (Linen's and Haiku's writes were marked while the call was traced)
     traced = [aval.dtype for aval in call.closed.out_avals[:count]]
     results = [
         cast_floating([out], [dtype])[0] if threaded else out

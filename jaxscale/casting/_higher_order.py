@@ -37,6 +37,7 @@ from jaxscale.core._jaxprs import (
     bind_in_context,
     bind_protocol,
     called_program,
+    compute_on_function,
     is_literal,
     jit_defined_in_jax,
 )
@@ -95,23 +96,18 @@ def _compute_on(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
     # jax.experimental.compute_on's function form (host offloading): the call is rebuilt
     # with the same compute type, output memory spaces and compiler options around the
     # function under autocast, so its operations still run where they were placed
-    from jax.experimental import compute_on as module
-
-    # JAX 0.10 and 0.11.0 name the function form compute_on2 (compute_on is a context
-    # manager there); from JAX 0.11.1 it is compute_on
-    compute_on: Any = getattr(module, "compute_on2", module.compute_on)
     jaxpr, consts = called_program(eqn)
     params = eqn.params
-    options = params["compiler_options_json"]
+    options = params.get("compiler_options_json")  # from JAX 0.10.1
 
     def body(*args: Any) -> list[Any]:
         return autocaster.eval_in_place_of(jaxpr, consts, args, invals, in_tags)
 
-    rebuilt = compute_on(
+    rebuilt = compute_on_function()(
         body,
         compute_type=params["compute_type"],
         out_memory_spaces=list(params["out_memory_spaces"]),
-        compiler_options=None if options is None else json.loads(options),
+        **({} if options is None else {"compiler_options": json.loads(options)}),
     )
     return list(rebuilt(*invals)), []
 

@@ -16,7 +16,9 @@ so that
   one it was traced under.
 
 Everything here uses ``jax.extend``, JAX's interface for libraries that
-transform jaxprs, and nothing else from JAX's internals. The test for a traced value
+transform jaxprs, and the rule tables of ``jax.interpreters`` (for the one
+primitive jaxscale defines, an identity that marks a value), and nothing else
+from JAX's internals. The test for a traced value
 (``jax.core.Tracer``), which every layer asks before reading a number or checking an
 argument, is here too, so that one module follows where JAX keeps it."""
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -33,6 +36,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex
 from jax.extend import source_info_util
+from jax.interpreters import ad, batching, mlir
 
 # jaxscale's frames are not the user's: the operations autocast creates, and errors
 # raised while it binds them, name the user's line instead.
@@ -265,8 +269,6 @@ def identity_primitive(name: str) -> Any:
     """A primitive that returns its one operand unchanged, under every transformation
     (evaluation, lowering, differentiation, ``vmap``): a mark a transform can find in a
     jaxpr it traced, on a value that passes through it as it is."""
-    from jax.interpreters import ad, batching, mlir
-
     primitive = jex.Primitive(name)
     primitive.def_impl(lambda x: x)
     primitive.def_abstract_eval(lambda aval: aval)
@@ -274,3 +276,19 @@ def identity_primitive(name: str) -> Any:
     ad.deflinear2(primitive, lambda cotangent, _: [cotangent])
     batching.primitive_batchers[primitive] = lambda args, dims: (primitive.bind(*args), dims[0])
     return primitive
+
+
+def compute_on_function() -> Any:
+    """``jax.experimental.compute_on``'s function form, which binds the ``compute_on``
+    primitive: ``compute_on2`` in JAX 0.10.1 to 0.11.0 (where ``compute_on`` is a
+    context manager), ``compute_on`` from JAX 0.11.1; JAX 0.10.0 defines it without
+    exporting it."""
+    from jax.experimental import compute_on as module
+
+    if hasattr(module, "compute_on2"):
+        return module.compute_on2
+    if "out_memory_spaces" in inspect.signature(module.compute_on).parameters:
+        return module.compute_on
+    from jax._src import compute_on as defined  # JAX 0.10.0
+
+    return defined.compute_on2

@@ -12,6 +12,7 @@ reach them in a model, so each row shows the cast that autocast makes.
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import flax.linen
@@ -496,38 +497,54 @@ def test_a_sparse_matmul_runs_in_the_dtype_it_was_written_in(to_sparse):
     np.testing.assert_allclose(grad, jax.grad(lambda w: jnp.sum(adjacency @ (A @ w)))(B), rtol=1e-2)
 
 
-def _compute_on():
-    from jax.experimental import compute_on as module
+def _on_host_block(x, w):
+    from jaxscale.core._jaxprs import compute_on_function
 
-    # the function form: compute_on2 in JAX 0.10 and 0.11.0, compute_on from 0.11.1
-    return getattr(module, "compute_on2", module.compute_on)
+    on_host = compute_on_function()(
+        lambda x: jnp.tanh(x @ w),
+        compute_type="device_host",
+        out_memory_spaces=jax.memory.Space.Device,
+    )
+    return on_host(x) @ w
 
 
-@pytest.mark.parametrize("mode", ["eager", "jit"])
-def test_a_compute_on_call_stays_one_with_autocast_inside(mode):
-    # host offloading: the function runs on the host, in the autocast dtype
-    def block(x, w):
-        on_host = _compute_on()(
-            lambda x: jnp.tanh(x @ w),
-            compute_type="device_host",
-            out_memory_spaces=jax.memory.Space.Device,
-        )
-        return on_host(x) @ w
-
-    fn = jaxscale.autocast(block)
-    got = (jax.jit(fn) if mode == "jit" else fn)(A, B)
-    assert got.dtype == F16
-    np.testing.assert_allclose(np.asarray(got, F32), block(A, B), rtol=1e-2, atol=1e-2)
+def test_a_compute_on_call_stays_one_with_autocast_inside():
+    # host offloading: the call keeps its compute type and output memory spaces, with
+    # the autocast dtype inside it
+    fn = jaxscale.autocast(_on_host_block)
     [outer] = [e for e in jax.make_jaxpr(fn)(A, B).eqns if e.primitive.name == "compute_on"]
-    [plain] = [e for e in jax.make_jaxpr(block)(A, B).eqns if e.primitive.name == "compute_on"]
+    [plain] = [
+        e for e in jax.make_jaxpr(_on_host_block)(A, B).eqns if e.primitive.name == "compute_on"
+    ]
     for param in ("compute_type", "out_memory_spaces", "compiler_options_json"):
-        assert outer.params[param] == plain.params[param]
+        assert outer.params.get(param) == plain.params.get(param)  # options from JAX 0.10.1
     inner = [e for e in equations(outer.params["jaxpr"]) if e.primitive.name == "dot_general"]
     assert [str(e.outvars[0].aval.dtype) for e in inner] == ["float16"]
+    assert jax.eval_shape(fn, A, B).dtype == F16
+
+
+def _compute_on_exported():
+    from jax.experimental import compute_on as module
+
+    return hasattr(module, "compute_on2") or (
+        "out_memory_spaces" in inspect.signature(module.compute_on).parameters
+    )
+
+
+@pytest.mark.skipif(
+    not _compute_on_exported(),
+    reason="JAX 0.10.0 does not export compute_on's function form, and cannot lower it here",
+)
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_compute_on_call_runs_on_the_host_in_the_autocast_dtype(mode):
+    fn = jaxscale.autocast(_on_host_block)
+    got = (jax.jit(fn) if mode == "jit" else fn)(A, B)
+    assert got.dtype == F16
+    np.testing.assert_allclose(np.asarray(got, F32), _on_host_block(A, B), rtol=1e-2, atol=1e-2)
     hlo = jax.jit(fn).lower(A, B).as_text()
     assert re.search(r"stablehlo\.dot_general.*_xla_compute_type = \"host\".*tensor<4x4xf16>", hlo)
     grad = jax.grad(lambda w: jnp.sum(fn(A, w).astype(F32)))(B)
-    expected = jax.grad(lambda w: jnp.sum(block(A, w)))(B)
+    expected = jax.grad(lambda w: jnp.sum(_on_host_block(A, w)))(B)
     np.testing.assert_allclose(grad, expected, rtol=2e-2, atol=2e-2)
 
 
