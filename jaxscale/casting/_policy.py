@@ -230,7 +230,12 @@ AS_TRACED: Mapping[str, str] = {
         "regularized_incomplete_beta zeta",
     ),
     **_group("complex numbers (no half-precision counterpart)", "complex conj imag real"),
-    **_group("fft (PyTorch's float32 list)", "fft"),
+    **_group(
+        "fft: JAX has no half-precision complex type, so a float16 input returns to the "
+        "float32 it was traced in (PyTorch's CUDA kernels take float16 to complex32; its "
+        "CPU autocast lists fft in float32, as CPU_POLICY does)",
+        "fft",
+    ),
     **_group(
         "matmuls whose precision the caller chose: float8 scaled matmuls, grouped (ragged) "
         "matmuls and cuDNN attention kernels",

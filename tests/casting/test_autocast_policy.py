@@ -458,6 +458,16 @@ def test_values_passed_side_by_side_keep_their_own_dtypes(together):
     np.testing.assert_array_equal(w, expected_w)
 
 
+def test_an_fft_of_a_float16_activation_runs_in_float32():
+    # JAX has no half-precision complex type: the FFT of a layer's float16 output runs as
+    # traced, on the float32 of the rounded product (PyTorch's CUDA kernels would give
+    # complex32). The README's "Where jaxscale differs" has the row.
+    got = jaxscale.autocast(lambda x, w: jnp.fft.rfft(x @ w))(A, B)
+    assert got.dtype == jnp.complex64
+    rounded = (A.astype(F16) @ B.astype(F16)).astype(F32)
+    np.testing.assert_allclose(got, jnp.fft.rfft(rounded), rtol=1e-6, atol=1e-6)
+
+
 def test_an_array_moved_beside_a_scalar_still_promotes_as_an_array():
     # jax.device_put of (a 0-d value, a residual): the residual is not taken for a
     # scalar, so adding it to a float16 product promotes to float32, as PyTorch's + does
