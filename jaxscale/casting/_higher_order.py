@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -55,6 +55,21 @@ def _register(*names: str) -> Any:
     return decorate
 
 
+def _called_under_autocast(
+    autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]
+) -> Callable[..., list[Any]]:
+    """The program a call-like equation runs, as a function of values standing in for
+    ``invals`` evaluated under autocast: the body of a rule that rebuilds the call with
+    JAX's own function for it (keyword arguments, a composite's attributes, are
+    already in the program)."""
+    jaxpr, consts = called_program(eqn)
+
+    def body(*args: Any, **_: Any) -> list[Any]:
+        return autocaster.eval_in_place_of(jaxpr, consts, args, invals, in_tags)
+
+    return body
+
+
 @_register("jit", "closed_call")  # closed_call: JAX 0.10 only
 def _inline_call(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
     # A nested jit changes nothing inside an enclosing trace: its equations are
@@ -77,16 +92,13 @@ def _xla_metadata_call(
         xla_metadata_call2,
     )
 
-    jaxpr, consts = called_program(eqn)
     params = eqn.params
     recorded = params["ad_metadata"]  # "same", () for "drop", or pairs
     ad_metadata = recorded if recorded == "same" else (dict(recorded) if recorded else "drop")
-
-    def body(*args: Any) -> list[Any]:
-        return autocaster.eval_in_place_of(jaxpr, consts, args, invals, in_tags)
-
     rebuilt = xla_metadata_call2(
-        body, metadata=dict(params["xla_metadata"]), ad_metadata=ad_metadata
+        _called_under_autocast(autocaster, eqn, invals, in_tags),
+        metadata=dict(params["xla_metadata"]),
+        ad_metadata=ad_metadata,
     )
     return list(rebuilt(*invals)), []
 
@@ -96,15 +108,10 @@ def _compute_on(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
     # jax.experimental.compute_on's function form (host offloading): the call is rebuilt
     # with the same compute type, output memory spaces and compiler options around the
     # function under autocast, so its operations still run where they were placed
-    jaxpr, consts = called_program(eqn)
     params = eqn.params
     options = params.get("compiler_options_json")  # from JAX 0.10.1
-
-    def body(*args: Any) -> list[Any]:
-        return autocaster.eval_in_place_of(jaxpr, consts, args, invals, in_tags)
-
     rebuilt = compute_on_function()(
-        body,
+        _called_under_autocast(autocaster, eqn, invals, in_tags),
         compute_type=params["compute_type"],
         out_memory_spaces=list(params["out_memory_spaces"]),
         **({} if options is None else {"compiler_options": json.loads(options)}),
@@ -118,11 +125,7 @@ def _fused(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Ta
     # with the same output memory spaces around the function under autocast
     from jax.experimental.fused import fused
 
-    jaxpr, consts = called_program(eqn)
-
-    def body(*args: Any) -> list[Any]:
-        return autocaster.eval_in_place_of(jaxpr, consts, args, invals, in_tags)
-
+    body = _called_under_autocast(autocaster, eqn, invals, in_tags)
     return list(fused(out_spaces=eqn.params["out_spaces"])(body)(*invals)), []
 
 
@@ -145,16 +148,13 @@ def _composite(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: lis
     # inside any function, and the result is again a composite of the same name,
     # version and attributes (a compiler matching it on its dtypes then sees autocast's).
     params = eqn.params
-    jaxpr, consts = called_program(eqn)  # the decomposition
     attributes = {
         # an array attribute is held hashable; its ``val`` is the array given
         name: treedef.unflatten([getattr(leaf, "val", leaf) for leaf in leaves])
         for name, leaves, treedef in params["attributes"]
     }
 
-    def decomposition(*args: Any, **_: Any) -> list[Any]:
-        return autocaster.eval_in_place_of(jaxpr, consts, args, invals, in_tags)
-
+    decomposition = _called_under_autocast(autocaster, eqn, invals, in_tags)
     rebuilt = lax.composite(decomposition, params["name"], params["version"])
     return list(rebuilt(*invals, **attributes)), []
 

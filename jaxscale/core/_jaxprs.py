@@ -18,7 +18,8 @@ so that
 Everything here uses ``jax.extend``, JAX's interface for libraries that
 transform jaxprs, and the rule tables of ``jax.interpreters`` (for the one
 primitive jaxscale defines, an identity that marks a value), and nothing else
-from JAX's internals. The test for a traced value
+from JAX's internals but one name: JAX 0.10.0 defines ``compute_on``'s function
+form without exporting it. The test for a traced value
 (``jax.core.Tracer``), which every layer asks before reading a number or checking an
 argument, is here too, so that one module follows where JAX keeps it."""
 
