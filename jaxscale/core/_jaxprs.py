@@ -53,6 +53,12 @@ def is_traced(value: Any) -> bool:
     return isinstance(value, jax.core.Tracer)
 
 
+def is_ref(value: Any) -> bool:
+    """Whether ``value`` is a mutable array reference (``jax.new_ref``), concrete or
+    traced: a traced function reads and writes it in place and may not return it."""
+    return isinstance(value, jax.Ref)
+
+
 def is_literal(atom: Any) -> bool:
     """Whether an equation's input is a literal (a constant written into the jaxpr)."""
     return isinstance(atom, jex.Literal)

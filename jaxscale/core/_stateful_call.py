@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale.core._jaxprs import is_ref
+
 
 def _nnx() -> Any:
     return sys.modules.get("flax.nnx")
@@ -54,10 +56,15 @@ class StatefulCall:
         )
         paths = [path for path, _ in with_paths]
         leaves = [leaf for _, leaf in with_paths]
-        # Each leaf is a graph node (state), an array (a traced input) or anything
-        # else (static: Python numbers, strings, functions), closed over as is.
+        # Each leaf is a graph node (state), an array or a reference (a traced input;
+        # Flax takes a reference for a graph node of its own) or anything else (static:
+        # Python numbers, strings, functions), closed over as is.
         self._kinds = [
-            "node" if is_graph_node(leaf) else "array" if _is_array(leaf) else "static"
+            "array"
+            if _is_array(leaf) or is_ref(leaf)
+            else "node"
+            if is_graph_node(leaf)
+            else "static"
             for leaf in leaves
         ]
         self._leaves = leaves
@@ -74,9 +81,13 @@ class StatefulCall:
         ]
         self.state_leaves: list[Any] = []
         self.state_paths: list[str] = []
+        self.state_refs: list[bool] = []  # for each state leaf: whether it is a reference
         if self._nodes:
             self._graphdef, state = _nnx().split(self._nodes)
             self.state_leaves, self._state_treedef = jax.tree.flatten(state)
+            _refuse_hijax_variables(self.state_leaves)
+            # the variables that hold a reference are written through it, in place
+            self.state_refs = [is_ref(leaf) for leaf in self.state_leaves]
             node_paths = [
                 _argument_path(path)
                 for path, kind in zip(paths, self._kinds, strict=True)
@@ -106,7 +117,11 @@ class StatefulCall:
         new_state: list[Any] = []
         if self._nodes:
             _, state = _nnx().split(nodes)
-            new_state = jax.tree.leaves(state)
+            new_state = [
+                leaf
+                for leaf, held in zip(jax.tree.leaves(state), self.state_refs, strict=True)
+                if not held
+            ]
         # Only arrays are outputs of the trace; anything else the call returns (a
         # string, a Python number) is kept aside and returned as it is.
         output_leaves, self.output_treedef = jax.tree.flatten(output)
@@ -132,7 +147,8 @@ class StatefulCall:
 
     def write_back(self, new_state_leaves: list[Any], written: list[bool]) -> None:
         """Update the original objects with ``new_state_leaves``: the variables with a
-        leaf marked in ``written``.
+        leaf marked in ``written``. Both lists leave out the variables that hold a
+        reference, which the call wrote in place.
 
         A variable the call only read is left alone. Flax refuses any write to a
         variable created outside the JAX trace that is running, even of its own value,
@@ -141,16 +157,36 @@ class StatefulCall:
         """
         if not self._nodes or not any(written):
             return
+        given, flags = iter(new_state_leaves), iter(written)
+        new_state_leaves = [
+            leaf if held else next(given)
+            for leaf, held in zip(self.state_leaves, self.state_refs, strict=True)
+        ]
+        written = [False if held else next(flags) for held in self.state_refs]
         state = jax.tree.unflatten(self._state_treedef, new_state_leaves)
         if not all(written):
             paths = jax.tree_util.tree_flatten_with_path(state)[0]
             written_paths = {
-                _variable_path(path)
+                variable_path(path)
                 for (path, _), was_written in zip(paths, written, strict=True)
                 if was_written
             }
             state = _nnx().filter_state(state, lambda path, _: tuple(path) in written_paths)
         _nnx().update(self._nodes, state)
+
+
+def _refuse_hijax_variables(state_leaves: list[Any]) -> None:
+    """Raise ``NotImplementedError`` for a state leaf that is neither an array, a
+    reference nor a Python number: a variable of Flax's hijax mode, a JAX type of its
+    own that jaxscale's transforms do not evaluate."""
+    for leaf in state_leaves:
+        if not (_is_array(leaf) or is_ref(leaf) or isinstance(leaf, (bool, int, float, complex))):
+            raise NotImplementedError(
+                f"a module's state holds a {type(leaf).__name__}, a variable of Flax's hijax "
+                "mode (nnx.var_defaults(hijax=True)), which jaxscale's transforms do not "
+                "support; build the module in Flax's default mode or its reference mode "
+                "(nnx.var_defaults(ref=True)). Nothing was changed."
+            )
 
 
 def _threaded_state(output: Any) -> list[bool]:
@@ -169,7 +205,7 @@ def _threaded_state(output: Any) -> list[bool]:
     return threaded
 
 
-def _variable_path(path: tuple[Any, ...]) -> tuple[Any, ...]:
+def variable_path(path: tuple[Any, ...]) -> tuple[Any, ...]:
     """The path of the NNX variable that holds a leaf of a ``State``: the keys of the
     state's nested mappings, without the key into the variable itself (its ``value``)."""
     keys = []
@@ -223,13 +259,14 @@ class TracedCall:
         self.input_paths = [*self._call.state_paths, *self._call.array_paths]
         self.state_dtypes = [s.dtype for s in state_shape]
         self._out_count = len(out_shape)
-        # A state leaf that the jaxpr returns as it took it was only read.
+        # A state leaf that the jaxpr returns as it took it was only read (references
+        # are inputs, never outputs).
         jaxpr = self.closed.jaxpr
-        state_outs = jaxpr.outvars[self._out_count :]
-        self._written = [
-            out is not given
-            for out, given in zip(state_outs, jaxpr.invars[: len(state_outs)], strict=True)
+        state_ins = [
+            var for var, held in zip(jaxpr.invars, self._call.state_refs, strict=False) if not held
         ]
+        state_outs = jaxpr.outvars[self._out_count :]
+        self._written = [out is not given for out, given in zip(state_outs, state_ins, strict=True)]
 
     def _concrete_value_note(self, message: str) -> str:
         """What a user calling the function eagerly needs to know when it wanted the

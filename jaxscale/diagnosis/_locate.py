@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxscale.core._jaxprs import is_traced
+from jaxscale.core._jaxprs import is_ref, is_traced
 from jaxscale.core._stateful_call import TracedCall
 from jaxscale.diagnosis._evaluator import NOT_IN_A_LOOP, CarryingEvaluator, Phase
 from jaxscale.diagnosis._frames import Location
@@ -156,7 +156,9 @@ class Locator(CarryingEvaluator):
         return len(self.origins) - 1
 
     def value_info(self, value: Any) -> Info:
-        if not is_floating(value):
+        # A reference has no value of its own to check: what is written into it was
+        # checked where it was made, and what is read from it is checked as read.
+        if not is_floating(value) or is_ref(value):
             return None
         if np.ndim(value) == 0 and not is_traced(value):
             return nonfinite_code(value)  # a literal: known now
@@ -252,10 +254,14 @@ def locate_nonfinite(fn: F) -> Callable[..., tuple[Any, NonfiniteReport]]:
         locator = Locator()
         record = empty_record()
         closed = call.closed
-        # The inputs, then the arrays the function closes over: a non-finite value
-        # already there is the origin, not the first operation it turns into a NaN.
+        # The inputs (a reference's value as the call finds it), then the arrays the
+        # function closes over: a non-finite value already there is the origin, not
+        # the first operation it turns into a NaN.
         checked = [
-            (Origin("argument", str(value.dtype), path=path), value)
+            (
+                Origin("argument", str(value.dtype), path=path),
+                value[...] if is_ref(value) else value,
+            )
             for path, value in zip(call.input_paths, call.inputs, strict=True)
             if is_floating(value)
         ] + [

@@ -242,9 +242,13 @@ class GradScaler(nnx.Pytree):
         )
         self._axis_name = axis_name
         scale = validation.init_scale_within(init_scale, self._rule.min_scale, self._rule.max_scale)
-        self._state = ScalerVariable(init_scaler_state(scale))
+        # A tree of arrays in one variable each, in Flax's reference mode
+        # (nnx.var_defaults(ref=True)) as well: Flax makes references of arrays only.
+        self._state = ScalerVariable(init_scaler_state(scale), ref=False)
         self._origin = (
-            OverflowOriginVariable(empty_nonfinite_record()) if record_overflow_origin else None
+            OverflowOriginVariable(empty_nonfinite_record(), ref=False)
+            if record_overflow_origin
+            else None
         )
         self._origin_report: tuple[type, Any] | None = None
         self._iteration.seen_state = self._state_leaves()

@@ -35,7 +35,9 @@ from flax import nnx
 from flax.training import train_state
 
 from jaxscale.core import run_unless, update_unless
+from jaxscale.core._jaxprs import is_ref
 from jaxscale.core._leaves import optax_params_mismatch, require_matching
+from jaxscale.core._stateful_call import variable_path
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
@@ -71,6 +73,27 @@ class Adapter:
         raise NotImplementedError
 
 
+def _values(state: Any) -> Any:
+    """``state`` with each reference replaced by the value it holds."""
+    return jax.tree.map(lambda leaf: leaf[...] if is_ref(leaf) else leaf, state)
+
+
+def _update_in_place(nodes: Any, held: Any, new: Any) -> None:
+    """``nnx.update(nodes, new)``, where ``held`` is ``nnx.split(nodes)``'s state: a
+    variable that holds a reference is written through it (``nnx.update`` would put
+    an array in the reference's place, and inside ``jax.jit`` only on a copy)."""
+    through = set()
+    for (path, leaf), value in zip(
+        jax.tree_util.tree_flatten_with_path(held)[0], jax.tree.leaves(new), strict=True
+    ):
+        if is_ref(leaf):
+            leaf[...] = value
+            through.add(variable_path(path))
+    if through:
+        new = nnx.filter_state(new, lambda path, _: tuple(path) not in through)
+    nnx.update(nodes, new)
+
+
 def _usage_error(name: str, usage: str) -> TypeError:
     return TypeError(f"for {name}, call {usage}")
 
@@ -103,17 +126,21 @@ class NnxOptimizerAdapter(Adapter):
         self, found_inf: jax.Array, optimizer: Any, args: Args, kwargs: Kwargs, prepare: Prepare
     ) -> Any:
         model, grads = args[0], args[1]
-        graphdef, state = nnx.split((model, optimizer))
+        # In Flax's reference mode (``nnx.var_defaults(ref=True)``) the variables hold
+        # references: the update runs on their values and its result is written back
+        # through them, so that the skip decides what they hold.
+        graphdef, held = nnx.split((model, optimizer))
+        state = _values(held)
 
         def update(grads: Any, state: Any) -> tuple[Any, Any]:
             model, optimizer = nnx.merge(graphdef, state)
             updates = optimizer.update(model, prepare(grads), **kwargs)
-            return updates, nnx.state((model, optimizer))
+            return updates, _values(nnx.state((model, optimizer)))
 
         # A skipped step's updates are -0.0; each update is selected against it where
         # it is computed, and when the caller ignores the updates XLA drops them.
-        updates, state = update_unless(found_inf, update, grads, state)
-        nnx.update((model, optimizer), state)
+        updates, new_state = update_unless(found_inf, update, grads, state)
+        _update_in_place((model, optimizer), held, new_state)
         return updates
 
 

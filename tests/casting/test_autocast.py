@@ -332,6 +332,59 @@ def test_nnx_state_written_during_the_call_lands_in_the_module(mode):
     assert got["['drop']['rngs']['count'].value"] == 2  # the RNG counter advanced twice
 
 
+# -- mutable array references (jax.new_ref) -------------------------------------------------
+
+
+def _write_products(ref, w, x):
+    ref[...] = x @ w  # float16 under autocast, stored in the reference's float32
+    ref[...] += x @ w
+    return jnp.sum(ref[...])
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_reference_argument_is_written_in_place_in_its_own_dtype(jit):
+    product = (X.astype(F16) @ W.astype(F16)).astype(F32)
+    ref = jax.new_ref(jnp.zeros((3, 4), F32))
+    run = jaxscale.autocast(_write_products)
+    total = (jax.jit(run) if jit else run)(ref, W, X)
+    assert isinstance(ref, jax.Ref)
+    assert ref[...].dtype == F32
+    np.testing.assert_array_equal(ref[...], product + product)
+    assert total.dtype == F32
+    np.testing.assert_array_equal(total, jnp.sum(product + product))
+    # a reference made inside the call, and one the call closes over
+    stats = jax.new_ref(jnp.zeros((), F32))
+
+    def loss(w, x):
+        h = x @ w
+        stats[...] += jnp.max(jnp.abs(h))
+        inner = jax.new_ref(jnp.zeros_like(h, F32))
+        inner[...] = h
+        return jnp.sum(inner[...])
+
+    run = jaxscale.autocast(loss)
+    out = (jax.jit(run) if jit else run)(W, X)
+    np.testing.assert_array_equal(out, jnp.sum(product))
+    assert stats[...].dtype == F32
+    np.testing.assert_array_equal(stats[...], jnp.max(jnp.abs(product)))
+
+
+def test_an_nnx_module_of_references_is_written_through_them():
+    with nnx.var_defaults(ref=True):
+        model = Stateful(nnx.Rngs(0))
+    plain = Stateful(nnx.Rngs(0))
+    mean = model.norm.mean.get_raw_value()
+    x = jax.random.normal(jax.random.key(1), (16, 4))
+    with third_party.standard_promotion():
+        for _ in range(2):
+            jax.jit(lambda m, x: jaxscale.autocast(m)(x))(model, x)
+            nnx.jit(lambda m, x: jaxscale.autocast(m)(x))(plain, x)
+    assert model.norm.mean.get_raw_value() is mean  # written in place
+    assert mean[...].dtype == F32
+    np.testing.assert_array_equal(mean[...], plain.norm.mean[...])
+    assert not np.array_equal(mean[...], np.zeros(4))
+
+
 def test_a_module_closed_over_by_jax_jit_is_read_as_without_autocast():
     # A module the function only reads may be closed over by jax.jit, as without
     # autocast: autocast writes back only what the call wrote.

@@ -205,6 +205,21 @@ def test_a_non_finite_argument_is_the_origin_with_its_path():
     assert (origin.source, origin.path, origin.dtype) == ("argument", "[0]['b']", "float32")
 
 
+def test_a_reference_argument_is_checked_as_the_call_finds_it():
+    def accumulate(ref, w, x):
+        ref[...] += x @ w
+        return jnp.sum(jnp.log(ref[...] - ref[...]))  # <- origin
+
+    ref = jax.new_ref(jnp.zeros((2, 4)).at[1, 1].set(jnp.nan))
+    _, report = jaxscale.locate_nonfinite(accumulate)(ref, W, X)
+    assert report.describe() == "argument [0]: nan (float32)"
+    ref = jax.new_ref(jnp.zeros((2, 4)))
+    out, report = jax.jit(jaxscale.locate_nonfinite(accumulate))(ref, W, X)
+    assert report.describe() == f"forward log at {line_of(accumulate)}: inf (float32)"
+    np.testing.assert_array_equal(ref[...], X @ W)  # written in place, once
+    assert out == -jnp.inf
+
+
 def loss_of_batch(w, x):
     return jnp.sum(jnp.tanh(x @ w) - jnp.mean(x @ w))
 
