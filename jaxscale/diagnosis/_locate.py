@@ -254,9 +254,9 @@ def locate_nonfinite(fn: F) -> Callable[..., tuple[Any, NonfiniteReport]]:
         locator = Locator()
         record = empty_record()
         closed = call.closed
-        # The inputs (a reference's value as the call finds it), then the arrays the
-        # function closes over: a non-finite value already there is the origin, not
-        # the first operation it turns into a NaN.
+        # The inputs, then the arrays the function closes over (a reference's value as
+        # the call finds it): a non-finite value already there is the origin, not the
+        # first operation it turns into a NaN.
         checked = [
             (
                 Origin("argument", str(value.dtype), path=path),
@@ -265,7 +265,10 @@ def locate_nonfinite(fn: F) -> Callable[..., tuple[Any, NonfiniteReport]]:
             for path, value in zip(call.input_paths, call.inputs, strict=True)
             if is_floating(value)
         ] + [
-            (Origin("closed-over", str(value.dtype), shape=tuple(np.shape(value))), value)
+            (
+                Origin("closed-over", str(value.dtype), shape=tuple(jnp.shape(value))),
+                value[...] if is_ref(value) else value,
+            )
             for value in closed.consts
             if is_floating(value)
         ]

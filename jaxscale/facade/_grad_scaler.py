@@ -53,14 +53,42 @@ _NOT_SCALED_HINT = (
 _ACCELERATORS = {"cuda": "gpu", "gpu": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
 
-def _write(variable: nnx.Variable, value: Any) -> None:
-    """Set ``variable``, or say in jaxscale's terms why a trace may not.
+def _held(kind: type[nnx.Variable], value: Any) -> Any:
+    """A variable of ``kind`` holding the tree ``value``; in Flax's reference mode
+    (``nnx.var_defaults(ref=True)``) the tree with each leaf in a variable of its own,
+    a reference written in place as the model's and the optimizer's are (Flax makes
+    references of arrays, not of trees)."""
+    if nnx.var_defaults().ref:
+        return nnx.data(jax.tree.map(kind, value))
+    return kind(value)
+
+
+def _is_variable(node: Any) -> bool:
+    return isinstance(node, nnx.Variable)
+
+
+def _read(held: Any) -> Any:
+    """The tree that :func:`_held` holds, as arrays."""
+    if _is_variable(held):
+        return held.get_value()
+    return jax.tree.map(lambda variable: variable[...], held, is_leaf=_is_variable)
+
+
+def _write(held: Any, value: Any) -> None:
+    """Set what :func:`_held` holds to ``value``, or say in jaxscale's terms why a
+    trace may not.
 
     Flax refuses to set a variable created outside the function being traced; for a
-    scaler that means the scaler was closed over instead of passed in.
+    scaler that means the scaler was closed over instead of passed in. Variables of
+    references are written through them, which any trace may do.
     """
+    if not _is_variable(held):
+        variables = jax.tree.leaves(held, is_leaf=_is_variable)
+        for variable, leaf in zip(variables, jax.tree.leaves(value), strict=True):
+            variable[...] = leaf
+        return
     try:
-        variable.set_value(value)
+        held.set_value(value)
     except flax.errors.TraceContextError as error:
         raise RuntimeError(
             "GradScaler.update() cannot record the new scale: the scaler was created outside "
@@ -72,7 +100,9 @@ def _write(variable: nnx.Variable, value: Any) -> None:
 
 
 class ScalerVariable(nnx.Variable):
-    """The dynamic state of a :class:`GradScaler`: its core :class:`~jaxscale.ScalerState`."""
+    """The dynamic state of a :class:`GradScaler`: its core :class:`~jaxscale.ScalerState`
+    (in Flax's reference mode, ``nnx.var_defaults(ref=True)``, one variable per field of
+    the state, each holding a reference)."""
 
 
 class OverflowOriginVariable(nnx.Variable):
@@ -242,11 +272,9 @@ class GradScaler(nnx.Pytree):
         )
         self._axis_name = axis_name
         scale = validation.init_scale_within(init_scale, self._rule.min_scale, self._rule.max_scale)
-        # A tree of arrays in one variable each, in Flax's reference mode
-        # (nnx.var_defaults(ref=True)) as well: Flax makes references of arrays only.
-        self._state = ScalerVariable(init_scaler_state(scale), ref=False)
+        self._state = _held(ScalerVariable, init_scaler_state(scale))
         self._origin = (
-            OverflowOriginVariable(empty_nonfinite_record(), ref=False)
+            _held(OverflowOriginVariable, empty_nonfinite_record())
             if record_overflow_origin
             else None
         )
@@ -255,7 +283,7 @@ class GradScaler(nnx.Pytree):
 
     @property
     def _scaler_state(self) -> ScalerState:
-        return self._state.get_value()
+        return _read(self._state)
 
     def _set_scaler_state(self, state: ScalerState) -> None:
         _write(self._state, state)
@@ -410,7 +438,7 @@ class GradScaler(nnx.Pytree):
             state = self._rule.apply(state, functools.reduce(operator.or_, found_infs))
         if nonfinite_report is not None and self._origin is not None:
             kept = keep_overflow_record(
-                self._origin.get_value(), state.found_inf, nonfinite_report.record
+                _read(self._origin), state.found_inf, nonfinite_report.record
             )
             _write(self._origin, kept)
             self._origin_report = (type(nonfinite_report), nonfinite_report.origins)
@@ -439,7 +467,7 @@ class GradScaler(nnx.Pytree):
                 "jaxscale.locate_nonfinite"
             )
         report_type, origins = self._origin_report
-        record = self._origin.get_value()
+        record = _read(self._origin)
         return report_type(type(record)(*record), origins)
 
     # -- was it skipped? ----------------------------------------------------------------

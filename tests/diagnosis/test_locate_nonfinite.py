@@ -218,6 +218,10 @@ def test_a_reference_argument_is_checked_as_the_call_finds_it():
     assert report.describe() == f"forward log at {line_of(accumulate)}: inf (float32)"
     np.testing.assert_array_equal(ref[...], X @ W)  # written in place, once
     assert out == -jnp.inf
+    # one the function closes over, as the call finds it
+    stats = jax.new_ref(jnp.full((3,), jnp.nan))
+    _, report = jax.jit(jaxscale.locate_nonfinite(lambda w: jnp.sum(w) + stats[0]))(W)
+    assert report.describe() == "a value the function closes over, shape (3,): nan (float32)"
 
 
 def loss_of_batch(w, x):

@@ -160,14 +160,19 @@ def test_a_grad_scaler_step_that_overflows_is_skipped_bitwise_through_references
 
 
 def test_the_grad_scaler_facade_steps_and_skips_a_reference_mode_optimizer():
-    """``GradScaler`` with a reference-mode ``nnx.Optimizer``: built in that mode (its
-    own state stays one variable of arrays), stepped in a plain ``jax.jit`` that
-    returns it and in ``nnx.jit``, which carries it."""
+    """``GradScaler`` built in reference mode, with a reference-mode ``nnx.Optimizer``:
+    each field of its state a reference, written in place by a plain ``jax.jit`` step
+    (nothing returned) and by ``nnx.jit``."""
     x, y = _data()
     with nnx.var_defaults(ref=True):
         model = Regressor(nnx.Rngs(0))
         optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-        scaler = jaxscale.GradScaler(init_scale=1024.0, growth_interval=3)
+        scaler = jaxscale.GradScaler(
+            init_scale=1024.0, growth_interval=3, record_overflow_origin=True
+        )
+    held = jax.tree.leaves(nnx.state(scaler, jaxscale.ScalerVariable))
+    assert len(held) == 5
+    assert all(isinstance(leaf, jax.Ref) for leaf in held)
 
     def body(model, optimizer, scaler, x, y):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -176,25 +181,18 @@ def test_the_grad_scaler_facade_steps_and_skips_a_reference_mode_optimizer():
             model = nnx.merge(graphdef, params, rest)
             return scaler.scale(jnp.mean((jaxscale.autocast(model)(x) - y) ** 2))
 
-        grads = jax.grad(loss_fn)(with_vars(params, ref=False))
+        located = jaxscale.locate_nonfinite(jax.grad(loss_fn))
+        grads, report = located(with_vars(params, ref=False))
         scaler.step(optimizer, params, grads)
-        scaler.update()
+        scaler.update(nonfinite_report=report)
 
-    @jax.jit
-    def step(model, optimizer, scaler, x, y):
-        body(model, optimizer, scaler, x, y)
-        return scaler
-
-    carried = nnx.jit(body)
+    steps = {"jax.jit": jax.jit(body), "nnx.jit": nnx.jit(body)}
     kernel_ref = model.hidden.kernel.get_raw_value()
     scales, moved, counts = [], [], []
     for i in range(10):
         before = np.asarray(model.hidden.kernel[...])
         batch = x.at[0, 0].set(jnp.inf) if i in (4, 8) else x
-        if i < 6:
-            scaler = step(model, optimizer, scaler, batch, y)
-        else:
-            carried(model, optimizer, scaler, batch, y)
+        steps["jax.jit" if i < 6 else "nnx.jit"](model, optimizer, scaler, batch, y)
         scales.append(scaler.get_scale())
         moved.append(not np.array_equal(before, model.hidden.kernel[...]))
         counts.append(int(optimizer.step[...]))
@@ -214,7 +212,12 @@ def test_the_grad_scaler_facade_steps_and_skips_a_reference_mode_optimizer():
     assert moved == [True] * 4 + [False] + [True] * 3 + [False, True]
     assert counts == [1, 2, 3, 4, 4, 5, 6, 7, 7, 8]
     assert model.hidden.kernel.get_raw_value() is kernel_ref
-    assert _is_ref(optimizer.step)
+    assert jax.tree.leaves(nnx.state(scaler, jaxscale.ScalerVariable))[0] is held[0]
+    origin = scaler.last_overflow_origin().describe()
+    assert origin == "a value the function closes over, shape (64, 8): inf (float32)"
+    assert scaler.state_dict()["_growth_tracker"] == 1
+    scaler.load_state_dict({**scaler.state_dict(), "scale": 8.0})
+    assert scaler.get_scale() == 8.0
 
 
 def test_a_reference_mode_nnx_optimizer_is_skipped_bitwise_by_the_facade():
