@@ -176,11 +176,11 @@ class StatefulCall:
 
 
 def _refuse_hijax_variables(state_leaves: list[Any]) -> None:
-    """Raise ``NotImplementedError`` for a state leaf that is neither an array, a
-    reference nor a Python number: a variable of Flax's hijax mode, a JAX type of its
-    own that jaxscale's transforms do not evaluate."""
+    """Raise ``NotImplementedError`` for a state leaf that is a variable itself, not
+    the value a variable holds: a variable of Flax's hijax mode, a JAX type of its own
+    that jaxscale's transforms do not evaluate."""
     for leaf in state_leaves:
-        if not (_is_array(leaf) or is_ref(leaf) or isinstance(leaf, (bool, int, float, complex))):
+        if isinstance(leaf, _nnx().Variable):
             raise NotImplementedError(
                 f"a module's state holds a {type(leaf).__name__}, a variable of Flax's hijax "
                 "mode (nnx.var_defaults(hijax=True)), which jaxscale's transforms do not "
