@@ -2,7 +2,8 @@
 
 Each rule rebuilds its equation through JAX's public API (``lax.scan``,
 ``lax.while_loop``, ``lax.switch``, ``jax.checkpoint``, ``jax.custom_jvp``,
-``jax.custom_vjp``, ``jax.shard_map``), with the interpreter run on the inner
+``jax.custom_vjp``, ``jax.custom_batching.custom_vmap``, ``jax.shard_map``), with
+the interpreter run on the inner
 jaxprs. Values enter an inner jaxpr in whatever dtype autocast gave them; only
 loop carries are held to the dtype they were traced with, since a loop needs
 its carry's type to be the same on every iteration.
@@ -315,6 +316,48 @@ def _custom_jvp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
 
     rebuilt = jax.custom_jvp(primal)
     rebuilt.defjvp(jvp, symbolic_zeros=True)
+    return list(rebuilt(*invals)), []
+
+
+@_register("custom_vmap_call")
+def _custom_vmap(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
+    # jax.custom_batching.custom_vmap (and sequential_vmap): the function runs under
+    # autocast now; the user's batching rule runs under autocast when JAX batches it,
+    # and only then, traced at the dtypes it was written for, as the function was. Its
+    # results take the dtypes the function gives under autocast, so a function casts
+    # the same batched or not.
+    params = eqn.params
+    call, rule, in_tree = params["call"], params["rule"], params["in_tree"]
+    traced = [aval.dtype for aval in call.in_avals]
+
+    def function(*args: Any) -> list[Any]:
+        return autocaster.eval_in_place_of(call.jaxpr, call.consts, args, invals, in_tags)
+
+    out_dtypes = [shape.dtype for shape in jax.eval_shape(function, *invals)]
+    rebuilt = jax.custom_batching.custom_vmap(function)
+
+    @rebuilt.def_vmap
+    def batched(axis_size: int, in_batched: list[bool], *args: Any) -> tuple[list, list]:
+        out_batched: list[Any] = []
+
+        def traced_rule(*arrays: Any) -> list[Any]:
+            outs, flags = rule(
+                axis_size,
+                list(jax.tree.unflatten(in_tree, in_batched)),
+                *jax.tree.unflatten(in_tree, arrays),
+            )
+            out_batched[:] = jax.tree.leaves(flags)
+            return jax.tree.leaves(outs)
+
+        shapes = [
+            jax.ShapeDtypeStruct(jnp.shape(arg), dtype)
+            for arg, dtype in zip(args, traced, strict=True)
+        ]
+        with autocast_state(True, autocaster.dtype, autocaster.device_type):
+            rule_jaxpr = jax.make_jaxpr(traced_rule)(*shapes)
+        outs = autocaster.run(rule_jaxpr, list(args), [Tag.NONE] * len(args))
+        return cast_floating(outs, out_dtypes), out_batched
+
     return list(rebuilt(*invals)), []
 
 

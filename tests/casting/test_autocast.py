@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax import lax
+from jax.custom_derivatives import linear_call
 from jax.extend import core as jex
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -535,19 +536,51 @@ def test_a_nested_region_with_another_dtype_keeps_its_own():
 
 
 def test_an_unknown_higher_order_primitive_raises_naming_it():
-    @jax.custom_batching.custom_vmap
-    def halve(a, b):
-        return (a @ b) / 2.0
+    def doubled(x):  # a linear function with its own transpose
+        return linear_call(lambda _, x: x @ (2.0 * jnp.eye(2)), lambda _, t: 2.0 * t, (), x)
 
-    @halve.def_vmap
-    def _halve_vmap(axis_size, in_batched, a, b):
-        return halve(a, b), True
-
-    with pytest.raises(NotImplementedError, match="'custom_vmap_call'"):
-        jaxscale.autocast(halve)(2.0 * jnp.eye(2), jnp.ones(2))
+    with pytest.raises(NotImplementedError, match="'linear_call'"):
+        jaxscale.autocast(doubled)(jnp.ones(2))
     # the remedy the message names: a disabled region inside
-    fine = jaxscale.autocast(lambda a, b: jaxscale.autocast(halve, enabled=False)(a, b))
-    np.testing.assert_allclose(fine(2.0 * jnp.eye(2), jnp.ones(2)), [1.0, 1.0])
+    fine = jaxscale.autocast(lambda x: jaxscale.autocast(doubled, enabled=False)(x))
+    np.testing.assert_allclose(fine(jnp.ones(2)), [2.0, 2.0])
+
+
+@jax.custom_batching.custom_vmap
+def _layer(x, w):
+    return jnp.tanh(x @ w)
+
+
+@_layer.def_vmap
+def _layer_batched(axis_size, in_batched, x, w):
+    # the rule a user writes for a batch of examples: one batched matmul
+    _RULE_CALLS.append(list(in_batched))
+    return jnp.tanh(jnp.einsum("bij,jk->bik", x, w)), True
+
+
+_RULE_CALLS: list = []
+
+
+def test_a_custom_vmap_function_and_its_batching_rule_run_under_autocast():
+    xs = jnp.stack([X, 2.0 * X, -X])
+    expected = jnp.tanh(xs.astype(F16) @ W.astype(F16))
+    run = jaxscale.autocast(_layer)
+    assert run(X, W).dtype == F16
+    np.testing.assert_array_equal(run(X, W), expected[0])
+    _RULE_CALLS.clear()
+    batched = jax.jit(jax.vmap(run, (0, None)))
+    np.testing.assert_array_equal(batched(xs, W), expected)
+    assert _RULE_CALLS == [[True, False]]  # JAX called the user's rule, once
+    jaxpr = jax.make_jaxpr(jax.vmap(run, (0, None)))(xs, W)
+    assert matmul_dtypes(jaxpr) == {("float16",) * 3: 1}  # the rule's einsum, in float16
+    # differentiated through the rule, the gradient in the parameter's dtype
+    grads = jax.grad(lambda w: jnp.sum(jax.vmap(run, (0, None))(xs, w).astype(F32)))(W)
+    plain = jax.grad(lambda w: jnp.sum(jax.vmap(_layer, (0, None))(xs, w)))(W)
+    assert grads.dtype == F32
+    np.testing.assert_allclose(grads, plain, rtol=2e-2, atol=2e-2)
+    # jax.custom_batching.sequential_vmap: a rule that maps the function over the batch
+    one_by_one = jaxscale.autocast(jax.custom_batching.sequential_vmap(_layer.fun))
+    np.testing.assert_array_equal(jax.vmap(one_by_one, (0, None))(xs, W), expected)
 
 
 def test_under_jit_it_is_traced_once_and_eager_agrees():
