@@ -130,14 +130,15 @@ def _fused(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Ta
     return list(fused(out_spaces=eqn.params["out_spaces"])(body)(*invals)), []
 
 
-@_register("custom_linear_solve", "pallas_call")
+@_register("custom_linear_solve", "pallas_call", "custom_partitioning")
 def _as_traced(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
     # jnp.linalg.solve and the iterative solvers: linear algebra runs as written (see
     # AS_TRACED in the policy), so the equation is bound again on its traced dtypes.
     # A Pallas kernel too: it was written for the dtypes it was traced with, and its
     # operations act on its buffers, where a cast has no meaning (as a hand-written
-    # kernel is left alone by PyTorch's autocast). A row given to it with
-    # register_policy comes first.
+    # kernel is left alone by PyTorch's autocast); and a custom_partitioning operation,
+    # whose partition rule gives each device a function written for those dtypes. A
+    # row given to either with register_policy comes first.
     traced = [v.aval.dtype for v in eqn.invars]
     return bind_in_context(eqn, cast_floating(invals, traced)), []
 

@@ -299,7 +299,7 @@ the running JAX against it."""
 UNSUPPORTED_HIGHER_ORDER: Mapping[str, str] = _group(
     "a higher-order primitive autocast does not reach inside: it raises NotImplementedError "
     "naming it (call that part inside jaxscale.autocast(..., enabled=False))",
-    "call call_exported custom_lin custom_partitioning "
+    "call call_exported custom_lin "
     "custom_jvp_call_jaxpr eval_jaxpr linear_call remat_opt run_state cudnn_fusion",
 )
 """Higher-order primitives that autocast refuses, with the reason."""

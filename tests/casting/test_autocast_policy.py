@@ -748,6 +748,51 @@ def test_a_pallas_kernel_runs_on_the_dtypes_it_was_written_for(mode):
     assert {str(e.outvars[0].aval.dtype) for e in dots} == {"float16"}
 
 
+def gated(x, y):
+    """A sharded operation of one's own (``custom_partitioning``), written for float32
+    and made differentiable by a ``custom_vjp``, as such operations are."""
+    from jax.experimental.custom_partitioning import custom_partitioning
+
+    @custom_partitioning
+    def launch(x, y):
+        return jnp.tanh(x) * y
+
+    def partition(mesh, arg_shapes, result_shape):
+        shardings = tuple(arg.sharding for arg in arg_shapes)
+        return mesh, lambda x, y: jnp.tanh(x) * y, result_shape.sharding, shardings
+
+    launch.def_partition(
+        infer_sharding_from_operands=lambda mesh, args, result: args[0].sharding,
+        partition=partition,
+        sharding_rule="i j, i j -> i j",
+    )
+    differentiable = jax.custom_vjp(launch)
+    differentiable.defvjp(
+        lambda x, y: (launch(x, y), (x, y)),
+        lambda saved, g: (g * saved[1] * (1 - jnp.tanh(saved[0]) ** 2), g * jnp.tanh(saved[0])),
+    )
+    return differentiable(x, y)
+
+
+def test_a_custom_partitioning_operation_runs_on_the_dtypes_it_was_written_for():
+    def block(w, x):
+        h = x @ w  # float16 under autocast
+        return gated(h, jnp.cos(h)) @ w
+
+    got = jax.jit(jaxscale.autocast(block))(A, B)
+    assert got.dtype == F16
+    np.testing.assert_allclose(np.asarray(got, F32), block(A, B), rtol=1e-2, atol=1e-2)
+    jaxpr = jax.make_jaxpr(jaxscale.autocast(block))(A, B)
+    [operation] = [e for e in equations(jaxpr) if e.primitive.name == "custom_partitioning"]
+    assert [str(v.aval.dtype) for v in operation.invars + operation.outvars] == ["float32"] * 3
+    dots = [e for e in equations(jaxpr) if e.primitive.name == "dot_general"]
+    assert {str(e.outvars[0].aval.dtype) for e in dots} == {"float16"}
+    grads = jax.jit(jax.grad(lambda w: jnp.sum(jaxscale.autocast(block)(w, B).astype(F32))))(A)
+    expected = jax.grad(lambda w: jnp.sum(block(w, B)))(A)
+    assert grads.dtype == F32
+    np.testing.assert_allclose(grads, expected, rtol=2e-2, atol=2e-2)
+
+
 def test_the_gradient_through_a_pallas_kernel_follows_float32():
     def loss(w, x):
         h = x @ w
