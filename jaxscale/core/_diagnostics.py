@@ -39,6 +39,9 @@ def nonfinite_leaves(tree: Any) -> Any:
     >>> from jaxscale import nonfinite_leaves
     >>> nonfinite_leaves({"w": jnp.array([1.0, jnp.nan]), "b": jnp.ones(2), "n": jnp.int32(3)})
     {'b': Array(False, dtype=bool), 'n': Array(False, dtype=bool), 'w': Array(True, dtype=bool)}
+
+    A mutable array reference (``jax.new_ref``, a variable's value in Flax's reference
+    mode) is checked for the value it holds.
     """
 
     def check(path: Any, leaf: Any) -> jax.Array:
@@ -50,7 +53,7 @@ def nonfinite_leaves(tree: Any) -> Any:
             return jnp.asarray(False)
         return jnp.logical_not(leaf_is_finite(leaf))
 
-    return jax.tree_util.tree_map_with_path(check, tree)
+    return jax.tree_util.tree_map_with_path(check, _leaves.read_references(tree))
 
 
 def nonfinite_paths(tree: Any) -> list[str]:
@@ -71,6 +74,7 @@ def nonfinite_paths(tree: Any) -> list[str]:
     >>> nonfinite_paths(grads)
     ["['dense']['kernel']"]
     """
+    tree = _leaves.read_references(tree)
     leaves = jax.tree_util.tree_leaves(tree)
     if any(is_traced(leaf) for leaf in leaves):
         raise TypeError(

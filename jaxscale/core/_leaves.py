@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale.core._jaxprs import is_ref
+
 
 def is_floating(leaf: Any) -> bool:
     """Whether ``leaf`` is a floating array the scaler acts on; raises for non-arrays."""
@@ -35,6 +37,12 @@ def compute_dtype(dtype: Any) -> Any:
     for double.
     """
     return jnp.float64 if np.dtype(dtype) == np.float64 else jnp.float32
+
+
+def read_references(tree: Any) -> Any:
+    """``tree`` with each mutable array reference (``jax.new_ref``; a variable's value in
+    Flax's reference mode) replaced by the value it holds now."""
+    return jax.tree.map(lambda leaf: leaf[...] if is_ref(leaf) else leaf, tree)
 
 
 def map_floating(fn: Callable[[jax.Array], Any], tree: Any) -> Any:

@@ -434,7 +434,8 @@ def all_finite(tree: Any) -> jax.Array:
 
     ``+inf``, ``-inf`` and NaN all count as non-finite. Integer, boolean, ``float0``
     leaves and ``None`` are ignored, and a tree with no floating leaves is all
-    finite. One read of each leaf. Under ``jax.jit`` with sharded arrays
+    finite; a mutable array reference (``jax.new_ref``) is checked for the value it
+    holds. One read of each leaf. Under ``jax.jit`` with sharded arrays
     the result is already global; under ``shard_map`` or ``pmap`` reduce it over
     the mapped axis (:func:`any_over_axis`; the transform and the facade do so
     for their ``axis_name``).
@@ -446,7 +447,7 @@ def all_finite(tree: Any) -> jax.Array:
     >>> bool(all_finite({"steps": jnp.arange(3), "none": None}))
     True
     """
-    leaves = _leaves.floating_leaves(tree)
+    leaves = _leaves.floating_leaves(_leaves.read_references(tree))
     if not leaves:
         return jnp.asarray(True)
     # Decided here, not inside the branch: JAX caches a traced branch by its function.

@@ -161,6 +161,20 @@ def test_nonfinite_paths_on_a_tree_of_floats_and_a_boolean_mask():
     assert jaxscale.nonfinite_paths({"mask": jnp.array([True]), "b": jnp.ones(2)}) == []
 
 
+def test_the_checks_read_the_references_of_a_reference_mode_model():
+    with nnx.var_defaults(ref=True):
+        model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    assert bool(jaxscale.all_finite(nnx.state(model)))
+    assert jaxscale.nonfinite_paths(nnx.state(model)) == []
+    model.bias[...] = jnp.array([0.0, jnp.nan])
+    assert not bool(jaxscale.all_finite(nnx.state(model)))
+    assert not bool(jax.jit(lambda m: jaxscale.all_finite(nnx.state(m)))(model))
+    assert jaxscale.nonfinite_paths(nnx.state(model)) == ["['bias'].value"]
+    flags = jax.jit(jaxscale.nonfinite_leaves)(nnx.state(model))
+    assert jaxscale.nonfinite_paths(flags) == ["['bias'].value"]
+    assert isinstance(model.bias.get_raw_value(), jax.Ref)  # read, not replaced
+
+
 def test_nonfinite_paths_refuses_to_run_inside_jit():
     with pytest.raises(TypeError, match="cannot run inside jit"):
         jax.jit(jaxscale.nonfinite_paths)(TREE)
