@@ -3,10 +3,9 @@
 Each rule rebuilds its equation through JAX's public API (``lax.scan``,
 ``lax.while_loop``, ``lax.switch``, ``jax.checkpoint``, ``jax.custom_jvp``,
 ``jax.custom_vjp``, ``jax.custom_batching.custom_vmap``, ``jax.shard_map``), with
-the interpreter run on the inner
-jaxprs. Values enter an inner jaxpr in whatever dtype autocast gave them; only
-loop carries are held to the dtype they were traced with, since a loop needs
-its carry's type to be the same on every iteration.
+the interpreter run on the inner jaxprs. Values enter an inner jaxpr in whatever
+dtype autocast gave them; only loop carries are held to the dtype they were traced
+with, since a loop needs its carry's type to be the same on every iteration.
 """
 
 from __future__ import annotations

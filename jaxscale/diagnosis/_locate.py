@@ -22,6 +22,7 @@ import numpy as np
 from jax import lax
 
 from jaxscale.core._jaxprs import is_ref, is_traced
+from jaxscale.core._leaves import read_references
 from jaxscale.core._stateful_call import TracedCall
 from jaxscale.diagnosis._evaluator import NOT_IN_A_LOOP, CarryingEvaluator, Phase
 from jaxscale.diagnosis._frames import Location
@@ -260,14 +261,14 @@ def locate_nonfinite(fn: F) -> Callable[..., tuple[Any, NonfiniteReport]]:
         checked = [
             (
                 Origin("argument", str(value.dtype), path=path),
-                value[...] if is_ref(value) else value,
+                read_references(value),
             )
             for path, value in zip(call.input_paths, call.inputs, strict=True)
             if is_floating(value)
         ] + [
             (
                 Origin("closed-over", str(value.dtype), shape=tuple(jnp.shape(value))),
-                value[...] if is_ref(value) else value,
+                read_references(value),
             )
             for value in closed.consts
             if is_floating(value)

@@ -36,7 +36,7 @@ from flax.training import train_state
 
 from jaxscale.core import run_unless, update_unless
 from jaxscale.core._jaxprs import is_ref
-from jaxscale.core._leaves import optax_params_mismatch, require_matching
+from jaxscale.core._leaves import optax_params_mismatch, read_references, require_matching
 from jaxscale.core._stateful_call import variable_path
 
 Args = tuple[Any, ...]
@@ -71,11 +71,6 @@ class Adapter:
     ) -> Any:
         """Run the update on ``prepare(grads)`` unless ``found_inf``; a skip changes nothing."""
         raise NotImplementedError
-
-
-def _values(state: Any) -> Any:
-    """``state`` with each reference replaced by the value it holds."""
-    return jax.tree.map(lambda leaf: leaf[...] if is_ref(leaf) else leaf, state)
 
 
 def _update_in_place(nodes: Any, held: Any, new: Any) -> None:
@@ -130,12 +125,12 @@ class NnxOptimizerAdapter(Adapter):
         # references: the update runs on their values and its result is written back
         # through them, so that the skip decides what they hold.
         graphdef, held = nnx.split((model, optimizer))
-        state = _values(held)
+        state = read_references(held)
 
         def update(grads: Any, state: Any) -> tuple[Any, Any]:
             model, optimizer = nnx.merge(graphdef, state)
             updates = optimizer.update(model, prepare(grads), **kwargs)
-            return updates, _values(nnx.state((model, optimizer)))
+            return updates, read_references(nnx.state((model, optimizer)))
 
         # A skipped step's updates are -0.0; each update is selected against it where
         # it is computed, and when the caller ignores the updates XLA drops them.
