@@ -17,8 +17,14 @@ Ratios are to the plain step of the same size; the NNX facade's, and Optax's
 ``apply_if_finite`` inside ``nnx.Optimizer``, to the same ``nnx.Optimizer`` step
 without loss scaling.
 
+With ``--persistent-cache`` every step is compiled once first with JAX's persistent
+compilation cache on, and the rounds then time what a restarted process, the next
+run of a sweep or another host of the job pays: the trace and lowering, and the
+executable loaded from the cache instead of compiled.
+
     python -m benchmarks.compile_time --leaves 100 500 1000
     python -m benchmarks.compile_time --gpu-target h100 --leaves 100 500  # no GPU needed
+    python -m benchmarks.compile_time --leaves 100 --persistent-cache
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -162,12 +169,15 @@ def run(
     loss: str = "mlp",
     target: Any = None,
     names: list[str] | None = None,
+    cached: bool = False,
 ) -> dict[str, Timings]:
     """Per variant (all, or ``names`` with the steps they are compared with; Flax's and
     jmp's only up to ``recipes.MAX_LEAVES_FOR_SLOW`` leaves): (median total seconds,
     median lower seconds, median compile seconds, median of each round's ratio of the
     total to its baseline's). The order of the variants is reversed every other round,
-    so that a drift of the machine's speed within a round favours none."""
+    so that a drift of the machine's speed within a round favours none. With ``cached``
+    (JAX's persistent compilation cache on, see :func:`use_persistent_cache`) each
+    step is compiled once before the rounds, which then load it from the cache."""
     make_params, loss_fn = LOSSES[loss]
     params = make_params(leaves, size)
     wanted = set(VARIANTS) if names is None else {*names, "plain", *map(BASELINES.get, names)}
@@ -179,6 +189,8 @@ def run(
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     for build in variants.values():  # warm-up: imports, JAX's own caches
         time_compile(build, make_params(2, size), loss_fn, target)
+        if cached:  # written to the cache here, read in every round
+            time_compile(build, params, loss_fn, target)
     for round_ in range(repeats):
         order = list(variants) if round_ % 2 == 0 else list(variants)[::-1]
         for name in order:
@@ -198,6 +210,16 @@ def run(
         )
         for name, values in samples.items()
     }
+
+
+def use_persistent_cache() -> str:
+    """Turn on JAX's persistent compilation cache in a new temporary folder, for every
+    compile however short (by default JAX caches only those over a second); its path."""
+    folder = tempfile.mkdtemp(prefix="jaxscale-compile-cache-")
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return folder
 
 
 def table(results: dict[int, dict[str, Timings]], per_round: bool = False) -> str:
@@ -241,15 +263,26 @@ def main(argv: list[str] | None = None) -> str:
         help="compile for this GPU instead of the default device, with no GPU here "
         "(XLA's deviceless compile; needs JAX's CUDA plugin)",
     )
+    parser.add_argument(
+        "--persistent-cache",
+        action="store_true",
+        help="time the steps loaded from JAX's persistent compilation cache, as a "
+        "restarted process does, instead of compiled",
+    )
     args = parser.parse_args(argv)
+    if args.persistent_cache:
+        use_persistent_cache()
     target = gpu_target.device(args.gpu_target) if args.gpu_target else None
     results = {
-        n: run(n, args.size, args.repeats, args.loss, target, args.variants) for n in args.leaves
+        n: run(n, args.size, args.repeats, args.loss, target, args.variants, args.persistent_cache)
+        for n in args.leaves
     }
     report = table(results, args.per_round)
     info = machine()
     leaves = "64×64 tanh layers" if args.loss == "mlp" else f"{args.size}-element leaves"
     compiled_for = f", compiled for {args.gpu_target} (no device)" if target else ""
+    if args.persistent_cache:
+        compiled_for += ", loaded from JAX's persistent compilation cache"
     print(f"{info['cpu']}, JAX {info['jax']}{compiled_for}; {args.loss} loss, {leaves}, "
           f"median of {args.repeats} interleaved repeats")  # fmt: skip
     print(report)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import pathlib
 import sys
 from types import ModuleType
@@ -18,3 +19,9 @@ def example(name: str) -> ModuleType:
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))
     return importlib.import_module(name)
+
+
+def this_checkout_first() -> str:
+    """``PYTHONPATH`` for a child process: this checkout first, so that it imports the
+    jaxscale under test whether or not it is installed, and from any folder."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))

@@ -26,12 +26,6 @@ POISON_STEP = 5
 EXPECTED_SCALES = [1024, 1024, 2048, 2048, 2048, 1024, 1024, 1024, 2048, 2048, 2048, 4096]
 
 
-def _this_checkout_first() -> str:
-    """``PYTHONPATH`` for the job's processes: they run from a temporary folder, and
-    import the jaxscale under test (this checkout) whether or not it is installed."""
-    return os.pathsep.join(filter(None, [str(paths.ROOT), os.environ.get("PYTHONPATH")]))
-
-
 @pytest.fixture(scope="module")
 def multi_host():
     sys.path.insert(0, str(EXAMPLES))
@@ -46,7 +40,7 @@ def run(multi_host, tmp_path, monkeypatch):
     monkeypatch.setenv("MULTI_HOST_OUT", str(tmp_path))
     # The job's processes are CPU hosts joined by gloo, whatever platform runs the suite.
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.setenv("PYTHONPATH", _this_checkout_first())
+    monkeypatch.setenv("PYTHONPATH", paths.this_checkout_first())
     monkeypatch.chdir(tmp_path)
 
     def run(*argv: str, timeout: float = 240.0):
@@ -65,7 +59,7 @@ def single_process(multi_host, tmp_path, *argv: str) -> dict:
     command = [sys.executable, str(EXAMPLES / "multi_host.py"), "--local-devices", "4",
                *argv, "--out", str(out)]  # fmt: skip
     # as the multi-process job's hosts
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": _this_checkout_first()}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": paths.this_checkout_first()}
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env
     )
