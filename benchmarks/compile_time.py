@@ -30,7 +30,9 @@ executable loaded from the cache instead of compiled.
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
+import shutil
 import statistics
 import tempfile
 import time
@@ -213,9 +215,11 @@ def run(
 
 
 def use_persistent_cache() -> str:
-    """Turn on JAX's persistent compilation cache in a new temporary folder, for every
-    compile however short (by default JAX caches only those over a second); its path."""
+    """Turn on JAX's persistent compilation cache in a new temporary folder, removed
+    when the process ends, for every compile however short (by default JAX caches only
+    those over a second); its path."""
     folder = tempfile.mkdtemp(prefix="jaxscale-compile-cache-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
