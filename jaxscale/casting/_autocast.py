@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale._src import validation
+from jaxscale._src.stateful_call import TracedCall
 from jaxscale.casting import _higher_order  # noqa: F401  (registers the higher-order rules)
 from jaxscale.casting._float8_matmul import recipe_for
 from jaxscale.casting._hidden_state import refuse_inside_hidden_state
@@ -17,8 +19,6 @@ from jaxscale.casting._interpreter import MARKER, Autocaster, Tag, cast_floating
 from jaxscale.casting._policy import validated_device_type
 from jaxscale.casting._region import DEFAULT_DTYPES, autocast_state
 from jaxscale.casting._state_writes import state_writes_marked
-from jaxscale.core import _validation as validation
-from jaxscale.core._stateful_call import TracedCall
 
 F = TypeVar("F", bound=Callable[..., Any])
 _DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))

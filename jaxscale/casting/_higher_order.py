@@ -21,6 +21,14 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+from jaxscale._src.jaxprs import (
+    bind_in_context,
+    bind_protocol,
+    called_program,
+    compute_on_function,
+    is_literal,
+    jit_defined_in_jax,
+)
 from jaxscale.casting._interpreter import (
     HIGHER_ORDER,
     Autocaster,
@@ -33,14 +41,6 @@ from jaxscale.casting._interpreter import (
 )
 from jaxscale.casting._policy import FLOAT32_FUNCTIONS
 from jaxscale.casting._region import autocast_state
-from jaxscale.core._jaxprs import (
-    bind_in_context,
-    bind_protocol,
-    called_program,
-    compute_on_function,
-    is_literal,
-    jit_defined_in_jax,
-)
 
 Result = tuple[list[Any], list[Tag]]
 _HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))

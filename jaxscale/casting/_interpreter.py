@@ -63,11 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxscale.casting import _axes
-from jaxscale.casting._float8_matmul import Float8Recipe, float8_dot_general
-from jaxscale.casting._float8_matmul import eligible as float8_eligible
-from jaxscale.casting._policy import Precision, is_registered, row_for
-from jaxscale.core._jaxprs import (
+from jaxscale._src.jaxprs import (
     bind_in_context,
     contains_jaxpr,
     equation_context,
@@ -77,6 +73,10 @@ from jaxscale.core._jaxprs import (
     literal_value,
     name_stack_text,
 )
+from jaxscale.casting import _axes
+from jaxscale.casting._float8_matmul import Float8Recipe, float8_dot_general
+from jaxscale.casting._float8_matmul import eligible as float8_eligible
+from jaxscale.casting._policy import Precision, is_registered, row_for
 
 # The named scope every autocast call runs under. Equations traced under it were
 # already decided by that (inner) autocast, so an enclosing one leaves them as traced.

@@ -16,7 +16,7 @@ call was given (``Scope.put_variable`` of an existing variable:
 interpreter replaces with a cast to the value's traced dtype. Variables a Linen
 call creates (captured intermediates, ``sow``) are left alone. An NNX module's
 variables and an Equinox ``State`` are kept in their dtypes where the call's
-state and results are read (``jaxscale.core._stateful_call``).
+state and results are read (``jaxscale._src.stateful_call``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxscale._src.jaxprs import identity_primitive
 from jaxscale.casting._interpreter import HIGHER_ORDER, Autocaster, Tag
-from jaxscale.core._jaxprs import identity_primitive
 
 STATE_WRITE = identity_primitive("jaxscale_state_write")
 """Marks a value written over a module's variable, inside a function autocast traces."""

@@ -7,9 +7,9 @@ are the core's API; the helpers the other layers share (validation, metrics,
 overflow records, jaxpr internals) are imported from their modules and may change.
 """
 
-from jaxscale.core._diagnostics import ScaleWarning as ScaleWarning
-from jaxscale.core._diagnostics import nonfinite_leaves as nonfinite_leaves
-from jaxscale.core._diagnostics import nonfinite_paths as nonfinite_paths
+from jaxscale.core._health import ScaleWarning as ScaleWarning
+from jaxscale.core._health import nonfinite_leaves as nonfinite_leaves
+from jaxscale.core._health import nonfinite_paths as nonfinite_paths
 from jaxscale.core._rounding import multiply_as_double as multiply_as_double
 from jaxscale.core._rule import ScaleUpdateRule as ScaleUpdateRule
 from jaxscale.core._rule import update_scale as update_scale

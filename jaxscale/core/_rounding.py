@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxscale.core._jaxprs import is_traced
+from jaxscale._src.jaxprs import is_traced
 
 _LIMB_BITS = 16
 _LIMB_MASK = 0xFFFF

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxscale.core import _validation
+from jaxscale._src import validation as _validation
 from jaxscale.core._rounding import decompose_factor, multiply_as_double, multiply_by_power_of_two
 from jaxscale.core._state import ScalerState
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxscale.core import _leaves
+from jaxscale._src import leaves as _leaves
 
 AxisName = Hashable | Sequence[Hashable]
 

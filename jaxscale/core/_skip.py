@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxscale.core._jaxprs import (
+from jaxscale._src.jaxprs import (
     bind_as_call,
     call_jaxpr,
     fresh_variable,

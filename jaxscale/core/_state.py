@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxscale.core import _validation
+from jaxscale._src import validation as _validation
 
 
 class ScalerState(NamedTuple):

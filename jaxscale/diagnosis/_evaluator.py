@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import jaxpr_as_fun
 
-from jaxscale.core._jaxprs import (
+from jaxscale._src.jaxprs import (
     bind_in_context,
     called_program,
     equation_context,

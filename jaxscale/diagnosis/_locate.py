@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxscale.core._jaxprs import is_ref, is_traced
-from jaxscale.core._leaves import read_references
-from jaxscale.core._stateful_call import TracedCall
+from jaxscale._src.jaxprs import is_ref, is_traced
+from jaxscale._src.leaves import read_references
+from jaxscale._src.stateful_call import TracedCall
 from jaxscale.diagnosis._evaluator import NOT_IN_A_LOOP, CarryingEvaluator, Phase
 from jaxscale.diagnosis._frames import Location
 from jaxscale.diagnosis._report import (

@@ -15,7 +15,7 @@ import collections
 from collections.abc import Sequence
 from typing import Any
 
-from jaxscale.core._jaxprs import is_variable, name_stack_text
+from jaxscale._src.jaxprs import is_variable, name_stack_text
 
 
 def backward_equations(

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxscale.core._diagnostics import NonfiniteRecord, empty_nonfinite_record
-from jaxscale.core._jaxprs import is_traced
+from jaxscale._src.jaxprs import is_traced
+from jaxscale.core.shared import NonfiniteRecord, empty_nonfinite_record
 from jaxscale.diagnosis._frames import Location
 
 INF, NAN = 1, 2

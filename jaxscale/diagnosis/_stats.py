@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale.core._stateful_call import TracedCall
+from jaxscale._src.stateful_call import TracedCall
 from jaxscale.diagnosis._evaluator import NOT_IN_A_LOOP, CarryingEvaluator, Phase
 from jaxscale.diagnosis._frames import Location
 

@@ -16,6 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxscale._src import validation
+from jaxscale._src.jaxprs import is_traced
+from jaxscale._src.leaves import floating_leaves, noted_on_failure
 from jaxscale.core import (
     AxisName,
     ScalerState,
@@ -27,19 +30,16 @@ from jaxscale.core import (
     scale_outputs,
     unscale_and_check,
 )
-from jaxscale.core import _validation as validation
-from jaxscale.core._diagnostics import (
+from jaxscale.core.shared import (
     ScaleWarning,
     disabled_metrics,
     empty_nonfinite_record,
     keep_overflow_record,
     scaler_metrics,
+    unscale,
     warn_about_scaled_loss,
     warn_if_unhealthy,
 )
-from jaxscale.core._jaxprs import is_traced
-from jaxscale.core._leaves import floating_leaves, noted_on_failure
-from jaxscale.core._scaling import unscale
 from jaxscale.facade._iteration import Iteration, OptimizerRecord, Stage
 from jaxscale.facade._optimizers import adapter_for
 from jaxscale.facade._state_dict import STATE_DICT_KEYS, parse_state_dict

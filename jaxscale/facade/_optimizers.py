@@ -34,10 +34,10 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
+from jaxscale._src.jaxprs import is_ref
+from jaxscale._src.leaves import optax_params_mismatch, read_references, require_matching
+from jaxscale._src.stateful_call import variable_path
 from jaxscale.core import run_unless, update_unless
-from jaxscale.core._jaxprs import is_ref
-from jaxscale.core._leaves import optax_params_mismatch, read_references, require_matching
-from jaxscale.core._stateful_call import variable_path
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]

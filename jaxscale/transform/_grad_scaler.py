@@ -7,6 +7,8 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import optax
 
+from jaxscale._src import validation
+from jaxscale._src.leaves import noted_on_failure, optax_params_mismatch
 from jaxscale.core import (
     AxisName,
     ScalerState,
@@ -17,10 +19,12 @@ from jaxscale.core import (
     inverse_scale,
     update_unless,
 )
-from jaxscale.core import _validation as validation
-from jaxscale.core._diagnostics import NonfiniteRecord, empty_nonfinite_record, keep_overflow_record
-from jaxscale.core._leaves import noted_on_failure, optax_params_mismatch
-from jaxscale.core._scaling import unscale
+from jaxscale.core.shared import (
+    NonfiniteRecord,
+    empty_nonfinite_record,
+    keep_overflow_record,
+    unscale,
+)
 
 
 class GradScalerState(NamedTuple):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale.core import ScalerState, scale_outputs
-from jaxscale.core._diagnostics import (
+from jaxscale.core.shared import (
     NonfiniteRecord,
     disabled_metrics,
     scaler_metrics,

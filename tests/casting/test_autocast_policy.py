@@ -508,7 +508,7 @@ def test_a_sparse_matmul_runs_in_the_dtype_it_was_written_in(to_sparse):
 
 
 def _on_host_block(x, w):
-    from jaxscale.core._jaxprs import compute_on_function
+    from jaxscale._src.jaxprs import compute_on_function
 
     on_host = compute_on_function()(
         lambda x: jnp.tanh(x @ w),

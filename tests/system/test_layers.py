@@ -1,9 +1,12 @@
-"""The layers are folders, and imports only go down or sideways into core/.
+"""The layers are folders, and imports only go down into core/ or sideways into _src/.
 
 The folders of ``jaxscale/`` are the layers. The rules are derived from them:
 
-* a module of a layer imports jaxscale only from its own folder or from ``core/``;
-  ``core/`` imports only from itself;
+* a module of a layer imports jaxscale only from its own folder, from ``_src/`` (the
+  JAX machinery every layer shares) or from ``core/``; ``core/`` only from itself and
+  ``_src/``; ``_src/`` only from itself;
+* no module imports another folder's private modules (``jaxscale.core._rule``): only
+  its package or its public modules (``jaxscale.core.shared``);
 * every layer says which third-party libraries it may not import (``LIBRARIES_KEPT_OUT``
   must name every folder, so a new layer cannot arrive without a rule), and each
   of its modules imports with those libraries blocked, from no jaxscale module at all.
@@ -21,9 +24,11 @@ from support import paths
 
 PACKAGE = paths.PACKAGE
 CORE = "core"
+SHARED = "_src"
 
-# Which libraries each layer must do without. core/ is jax only.
+# Which libraries each layer must do without. core/ and _src/ are jax only.
 LIBRARIES_KEPT_OUT = {
+    "_src": ("optax", "flax"),
     "core": ("optax", "flax"),
     "transform": ("flax",),
     "facade": (),
@@ -65,15 +70,49 @@ def test_the_layers_are_the_design_folders():
     assert CORE in layers()
 
 
+def allowed_targets(layer: str) -> set[str]:
+    if layer == SHARED:
+        return {SHARED}
+    if layer == CORE:
+        return {CORE, SHARED}
+    return {layer, CORE, SHARED}
+
+
+def import_violation(layer: str, imported: str) -> str | None:
+    """Why ``layer`` may not import ``imported``, or None where it may."""
+    parts = imported.split(".")
+    target = parts[1] if len(parts) > 1 else None
+    if target not in allowed_targets(layer):
+        return f"{layer} may import only from {sorted(allowed_targets(layer))}"
+    private = [part for part in parts[2:] if part.startswith("_")]
+    if target != layer and target != SHARED and private:
+        return f"{private[0]} is private to {target}/"
+    return None
+
+
 @pytest.mark.parametrize("layer", layers())
-def test_imports_go_only_sideways_or_into_core(layer):
-    allowed = {layer, CORE}
+def test_imports_go_only_into_core_or_sideways_into_src(layer):
     for filename, imported in jaxscale_imports(layer):
-        parts = imported.split(".")
-        target = parts[1] if len(parts) > 1 else None
-        assert target in allowed, f"{layer}/{filename} imports {imported}"
-        if layer == CORE:
-            assert target == CORE
+        violation = import_violation(layer, imported)
+        assert violation is None, f"{layer}/{filename} imports {imported}: {violation}"
+
+
+@pytest.mark.parametrize(
+    ("layer", "imported", "allowed"),
+    [
+        ("transform", "jaxscale.core", True),
+        ("transform", "jaxscale.core.shared", True),
+        ("transform", "jaxscale._src.jaxprs", True),
+        ("transform", "jaxscale.core._rule", False),  # another layer's private module
+        ("transform", "jaxscale.facade", False),  # a layer above
+        ("core", "jaxscale.transform", False),
+        ("core", "jaxscale.core._rule", True),
+        ("_src", "jaxscale.core", False),  # the shared machinery is below every layer
+        ("_src", "jaxscale._src.jaxprs", True),
+    ],
+)
+def test_the_import_rule_refuses_what_it_should(layer, imported, allowed):
+    assert (import_violation(layer, imported) is None) == allowed
 
 
 def test_the_scan_of_imports_sees_them():

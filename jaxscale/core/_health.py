@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale.core import _leaves
-from jaxscale.core._jaxprs import is_traced
+from jaxscale._src import leaves as _leaves
+from jaxscale._src.jaxprs import is_traced
 from jaxscale.core._scaling import leaf_is_finite
 from jaxscale.core._state import ScalerState
 

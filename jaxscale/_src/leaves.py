@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale.core._jaxprs import is_ref
+from jaxscale._src.jaxprs import is_ref
 
 
 def is_floating(leaf: Any) -> bool:

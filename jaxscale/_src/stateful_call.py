@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale.core._jaxprs import is_ref
+from jaxscale._src.jaxprs import is_ref
 
 
 def _nnx() -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxscale.core._jaxprs import is_traced
+from jaxscale._src.jaxprs import is_traced
 
 INT32_MAX = 2**31 - 1
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
