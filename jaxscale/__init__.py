@@ -4,7 +4,9 @@ Loss scaling in three layers, each usable on its own: :mod:`jaxscale.core` (pure
 functions on a :class:`ScalerState`), :mod:`jaxscale.transform` (the Optax
 transform :func:`grad_scaler`) and :mod:`jaxscale.facade` (PyTorch's
 :class:`GradScaler` for Flax loops); and :mod:`jaxscale.casting`, whose
-:func:`autocast` is PyTorch's op-level autocast as a function transform.
+:func:`autocast` is PyTorch's op-level autocast as a function transform; and
+:mod:`jaxscale.optim`, Optax transforms for parameters and optimizer state in low
+precision (master weights, stochastic rounding, Kahan summation, 8-bit state).
 """
 
 from jaxscale.casting import autocast as autocast
@@ -28,6 +30,19 @@ from jaxscale.diagnosis import lowering_report as lowering_report
 from jaxscale.diagnosis import precision_stats as precision_stats
 from jaxscale.facade import GradScaler as GradScaler
 from jaxscale.facade import ScalerVariable as ScalerVariable
+from jaxscale.optim import BlockQuantized as BlockQuantized
+from jaxscale.optim import KahanSummationState as KahanSummationState
+from jaxscale.optim import LowPrecisionState as LowPrecisionState
+from jaxscale.optim import MasterWeightsState as MasterWeightsState
+from jaxscale.optim import StochasticRoundingState as StochasticRoundingState
+from jaxscale.optim import dequantize_blockwise as dequantize_blockwise
+from jaxscale.optim import kahan_summation as kahan_summation
+from jaxscale.optim import low_precision_state as low_precision_state
+from jaxscale.optim import master_params as master_params
+from jaxscale.optim import master_weights as master_weights
+from jaxscale.optim import quantize_blockwise as quantize_blockwise
+from jaxscale.optim import stochastic_round as stochastic_round
+from jaxscale.optim import stochastic_rounding as stochastic_rounding
 from jaxscale.transform import GradScalerState as GradScalerState
 from jaxscale.transform import found_inf as found_inf
 from jaxscale.transform import get_scale as get_scale
@@ -40,34 +55,47 @@ from jaxscale.transform import skipped_steps as skipped_steps
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockQuantized",
     "GradScaler",
     "GradScalerState",
+    "KahanSummationState",
+    "LowPrecisionState",
     "LoweringReport",
+    "MasterWeightsState",
     "NonfiniteReport",
     "ScaleWarning",
     "ScalerState",
     "ScalerVariable",
+    "StochasticRoundingState",
     "__version__",
     "all_finite",
     "autocast",
     "custom_fwd",
+    "dequantize_blockwise",
     "found_inf",
     "get_autocast_dtype",
     "get_scale",
     "grad_scaler",
     "init_scaler_state",
     "is_autocast_enabled",
+    "kahan_summation",
     "last_overflow_origin",
     "locate_nonfinite",
+    "low_precision_state",
     "lowering_report",
+    "master_params",
+    "master_weights",
     "metrics",
     "nonfinite_leaves",
     "nonfinite_paths",
     "precision_stats",
+    "quantize_blockwise",
     "quantize_float8",
     "scale",
     "scale_outputs",
     "skipped_steps",
+    "stochastic_round",
+    "stochastic_rounding",
     "unscale_and_check",
     "update_scale",
 ]

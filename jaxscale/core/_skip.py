@@ -215,6 +215,7 @@ def update_unless(
                 f"the update must return a state of its input's structure: {state_tree} in, "
                 f"{new_state_tree} out"
             )
+        _require_same_avals(state, before, flat_state)
         trees.append((updates_tree, len(flat_updates)))
         return [*flat_updates, *flat_state]
 
@@ -225,6 +226,25 @@ def update_unless(
     return jax.tree.unflatten(updates_tree, outs[:count]), jax.tree.unflatten(
         state_tree, outs[count:]
     )
+
+
+def _require_same_avals(state: Any, before: list[Any], after: list[Any]) -> None:
+    """A skipped step selects the old state back, so each new leaf must have its old
+    leaf's shape and dtype: an optimizer that widens a leaf (``optax.adam`` on
+    bfloat16 parameters whose moments it returns in float32) is named here."""
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(state)]
+    for path, old, new in zip(paths, before, after, strict=True):
+        old_type, new_type = jax.typeof(old), jax.typeof(new)
+        if (old_type.shape, old_type.dtype) != (new_type.shape, new_type.dtype):
+            was = f"{old_type.dtype}{list(old_type.shape)}"
+            now = f"{new_type.dtype}{list(new_type.shape)}"
+            raise ValueError(
+                f"the optimizer's state leaf {path or '<root>'} is {was} before the update and "
+                f"{now} after it; a skipped step keeps the old "
+                "state, so an update must return every leaf in its shape and dtype (keep the "
+                "state's dtypes fixed, e.g. optax.adam(..., mu_dtype=...), or store the state "
+                "with jaxscale.low_precision_state)"
+            )
 
 
 def skipped_updates_like(updates: Any) -> Any:

@@ -33,8 +33,12 @@ def test_docstring_examples_run(module_name):
     module = importlib.import_module(module_name)
     finder = doctest.DocTestFinder(exclude_empty=True)
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    for test in finder.find(module, module_name, globs={}):
-        runner.run(test)
+    # docstring examples are user code, as the README's blocks are: JAX's default
+    # (standard) promotion, under which optax adds a float32 update to a bfloat16
+    # parameter; jaxscale's own code is held to strict promotion by the other tests
+    with third_party.standard_promotion():
+        for test in finder.find(module, module_name, globs={}):
+            runner.run(test)
     assert runner.failures == 0, f"{runner.failures} docstring example(s) failed in {module_name}"
 
 

@@ -34,6 +34,7 @@ LIBRARIES_KEPT_OUT = {
     "facade": (),
     "casting": ("optax", "flax"),
     "diagnosis": ("optax", "flax"),
+    "optim": ("flax",),
 }
 
 

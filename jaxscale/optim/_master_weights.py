@@ -1,0 +1,195 @@
+"""``master_weights``: float32 master copies of half-precision parameters (apex's O2).
+
+Micikevicius et al. (2018) keep a float32 copy of every half-precision weight, let
+the optimizer update the copy, and round it to half precision for the next forward
+pass: an update far below the half-precision weight's ulp still moves the copy,
+and accumulates until the rounded weight moves too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxscale.optim._wrapping import (
+    floating_dtype,
+    is_narrower,
+    map_with_optional,
+    require_params,
+    validated_inner,
+)
+
+
+class MasterWeightsState(NamedTuple):
+    """State of :func:`master_weights`.
+
+    Attributes:
+      masters: a tree like the parameters: the master copy (in the master dtype) of
+        each floating parameter narrower than it, ``None`` for the other leaves.
+      inner_state: the wrapped optimizer's state, for the parameters at master
+        precision.
+    """
+
+    masters: Any
+    inner_state: Any
+
+
+def master_weights(
+    inner: optax.GradientTransformation, *, dtype: Any = jnp.float32
+) -> optax.GradientTransformationExtraArgs:
+    """Keep ``dtype`` master copies of the parameters narrower than ``dtype``, and run
+    ``inner`` on them.
+
+    ``init(params)`` copies each floating parameter narrower than ``dtype`` (bfloat16,
+    float16, float8) to ``dtype``. ``update(grads, state, params)`` gives ``inner``
+    the masters in place of those parameters and their gradients cast to ``dtype``,
+    adds ``inner``'s updates to the masters in ``dtype``, and returns, for each such
+    leaf, the ``dtype`` update that takes the parameter to its new master rounded to
+    nearest in the parameter's dtype: ``optax.apply_updates(params, updates)`` (which
+    adds in ``dtype`` and rounds once) lands on that value bit for bit whenever it is
+    zero or at least 2⁻¹² of the old parameter in magnitude (the difference of the two
+    is then exact in float32). Parameters already ``dtype`` or wider, and non-floating
+    leaves, get exactly ``inner``'s updates.
+
+    Under :func:`jaxscale.grad_scaler` a skipped step leaves the masters unchanged.
+    :func:`jaxscale.master_params` reads the masters back, for evaluation or a
+    checkpoint at full precision.
+
+    Args:
+      inner: the optimizer to run on the masters, e.g. ``optax.adamw(1e-3)``.
+      dtype: the masters' dtype.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      :class:`MasterWeightsState`.
+
+    Raises:
+      TypeError: for an ``inner`` that is not an Optax transform (a factory such as
+        ``optax.adamw`` passed uncalled is named).
+      ValueError: from ``update`` called without ``params``.
+
+    >>> import jax.numpy as jnp, optax, jaxscale
+    >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
+    >>> tx = jaxscale.master_weights(optax.sgd(1e-3))
+    >>> state = tx.init(params)
+    >>> for _ in range(10):  # each step is a tenth of bfloat16's ulp at 1.0
+    ...     updates, state = tx.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
+    ...     params = optax.apply_updates(params, updates)
+    >>> params["w"].tolist()  # 0.99 to bfloat16's nearest; without masters it stays 1.0
+    [0.98828125, 0.98828125]
+    >>> jaxscale.master_params(state, params)["w"].tolist()  # 1 - 10 * 1e-3 in float32
+    [0.9900001287460327, 0.9900001287460327]
+    """
+    inner = validated_inner(inner, "master_weights")
+    master_dtype = floating_dtype(dtype, "dtype")
+
+    def kept(leaf: Any) -> bool:
+        return is_narrower(leaf, master_dtype)
+
+    def init_fn(params: optax.Params) -> MasterWeightsState:
+        masters = jax.tree.map(lambda p: p.astype(master_dtype) if kept(p) else None, params)
+        return MasterWeightsState(masters, inner.init(_with_masters(masters, params)))
+
+    def update_fn(
+        updates: optax.Updates,
+        state: MasterWeightsState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, MasterWeightsState]:
+        require_params(params, "master_weights")
+        grads = map_with_optional(
+            lambda m, g: g if m is None else g.astype(master_dtype), state.masters, updates
+        )
+        inner_updates, inner_state = inner.update(
+            grads, state.inner_state, _with_masters(state.masters, params), **extra_args
+        )
+        masters = map_with_optional(
+            lambda m, u: None if m is None else m + u.astype(master_dtype),
+            state.masters,
+            inner_updates,
+        )
+
+        def to_parameter(master: Any, inner_update: Any, param: Any) -> Any:
+            if master is None:
+                return inner_update
+            rounded = master.astype(param.dtype).astype(master_dtype)
+            return rounded - param.astype(master_dtype)
+
+        new_updates = map_with_optional(to_parameter, masters, inner_updates, params)
+        return new_updates, MasterWeightsState(masters, inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _with_masters(masters: Any, params: Any) -> Any:
+    return map_with_optional(lambda m, p: p if m is None else m, masters, params)
+
+
+def _as_master_weights_state(node: Any) -> MasterWeightsState | None:
+    """``node`` as a :class:`MasterWeightsState`: the state, or the mapping of its fields
+    that ``nnx.state`` makes of it (with each array in a variable)."""
+    if isinstance(node, MasterWeightsState):
+        return node
+    keys = getattr(node, "keys", None)
+    if callable(keys) and set(keys()) == set(MasterWeightsState._fields):
+        return MasterWeightsState(node["masters"], node["inner_state"])
+    return None
+
+
+def _is_variable(node: Any) -> bool:
+    return callable(getattr(node, "get_value", None))  # a flax.nnx.Variable
+
+
+def _values(tree: Any) -> Any:
+    """``tree`` with each ``flax.nnx.Variable`` replaced by the array it holds."""
+    return jax.tree.map(
+        lambda node: node.get_value() if _is_variable(node) else node,
+        tree,
+        is_leaf=lambda node: node is None or _is_variable(node),
+    )
+
+
+def master_params(opt_state: Any, params: optax.Params) -> optax.Params:
+    """``params`` with each parameter that :func:`master_weights` keeps a master of
+    replaced by that master: the parameters at full precision.
+
+    Args:
+      opt_state: the state of a :func:`master_weights` transform, or any optimizer
+        state that holds exactly one (inside :func:`jaxscale.grad_scaler`,
+        ``optax.chain``, a ``flax.nnx.Optimizer``'s ``opt_state``).
+      params: the parameters the optimizer updates.
+
+    Returns:
+      A tree like ``params``, masters where kept (in the masters' dtype); Flax NNX
+      variables (an ``nnx.State``, an ``nnx.Optimizer``'s state) are read to arrays.
+
+    Raises:
+      ValueError: when ``opt_state`` holds no master_weights state or more than one.
+
+    >>> import jax, jax.numpy as jnp, optax, jaxscale
+    >>> params = {"w": jnp.array([1.0], jnp.bfloat16), "n": jnp.array([2.0])}
+    >>> state = jaxscale.grad_scaler(jaxscale.master_weights(optax.adam(1e-3))).init(params)
+    >>> jax.tree.map(lambda x: x.dtype.name, jaxscale.master_params(state, params))
+    {'n': 'float32', 'w': 'float32'}
+    """
+    found = [
+        state
+        for state in map(
+            _as_master_weights_state,
+            jax.tree_util.tree_leaves(
+                opt_state, is_leaf=lambda node: _as_master_weights_state(node) is not None
+            ),
+        )
+        if state is not None
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            f"expected one master_weights state in the {type(opt_state).__name__} given, found "
+            f"{len(found) or 'none'}: pass the state of an optimizer built with "
+            "jaxscale.master_weights(...)"
+            + (", or the sub-state that holds the one you mean" if found else "")
+        )
+    return _with_masters(_values(found[0].masters), _values(params))

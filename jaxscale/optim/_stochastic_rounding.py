@@ -1,0 +1,124 @@
+"""``stochastic_rounding``: half-precision parameters written with stochastic rounding,
+as torchao's optimizers write bfloat16 parameters (``bf16_stochastic_round=True``)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxscale.optim._stochastic_round import TARGETS, stochastic_round
+from jaxscale.optim._wrapping import as_float32_where_narrower, require_params, validated_inner
+
+
+class StochasticRoundingState(NamedTuple):
+    """State of :func:`stochastic_rounding`.
+
+    Attributes:
+      key: the PRNG key the next applied step draws its random bits from.
+      inner_state: the wrapped optimizer's state, for float32 copies of the parameters.
+    """
+
+    key: jax.Array
+    inner_state: Any
+
+
+def stochastic_rounding(
+    inner: optax.GradientTransformation, *, key: jax.Array
+) -> optax.GradientTransformationExtraArgs:
+    """Run ``inner`` on float32 copies of the parameters and write each bfloat16 or
+    float16 parameter as ``stochastic_round(float32(p) + float32(u))``.
+
+    That is torchao's write of a bfloat16 parameter (``_AdamW(...,
+    bf16_stochastic_round=True)``): the new value is one of the two half-precision
+    numbers around the float32 result, the farther one with probability equal to the
+    fraction of the gap it lies beyond the nearer one, so the parameter moves by the
+    update in expectation even when the update is far below its ulp. ``inner`` sees
+    gradients and parameters widened to float32, as torchao computes. The updates
+    returned make ``optax.apply_updates(params, updates)`` land on the rounded values
+    (the difference of two neighbouring half-precision numbers is exact in float32).
+    Parameters of float32 or wider get ``inner``'s updates unchanged.
+
+    The key lives in the state and is split on every update; under
+    :func:`jaxscale.grad_scaler` a skipped step leaves it unchanged with the rest of
+    the state, so the same draws are used by the next applied step.
+
+    Args:
+      inner: the optimizer, e.g. ``optax.adamw(1e-3)``.
+      key: a JAX PRNG key (``jax.random.key(0)`` or ``jax.random.PRNGKey(0)``).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      :class:`StochasticRoundingState`.
+
+    Raises:
+      TypeError: for an ``inner`` that is not an Optax transform, or a ``key`` that
+        is not a PRNG key.
+      ValueError: from ``update`` called without ``params``.
+
+    >>> import jax, jax.numpy as jnp, optax, jaxscale
+    >>> params = {"w": jnp.ones(1000, jnp.bfloat16)}
+    >>> tx = jaxscale.stochastic_rounding(optax.sgd(1e-3), key=jax.random.key(0))
+    >>> state = tx.init(params)
+    >>> for _ in range(10):  # each step is a tenth of bfloat16's ulp at 1.0
+    ...     updates, state = tx.update({"w": jnp.ones(1000, jnp.bfloat16)}, state, params)
+    ...     params = optax.apply_updates(params, updates)
+    >>> round(float(params["w"].astype(jnp.float32).mean()), 3)  # 1 - 10 * 1e-3 on average
+    0.99
+    """
+    inner = validated_inner(inner, "stochastic_rounding")
+    _check_key(key)
+
+    def init_fn(params: optax.Params) -> StochasticRoundingState:
+        return StochasticRoundingState(key, inner.init(as_float32_where_narrower(params)))
+
+    def update_fn(
+        updates: optax.Updates,
+        state: StochasticRoundingState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, StochasticRoundingState]:
+        require_params(params, "stochastic_rounding")
+        wide_params = as_float32_where_narrower(params)
+        inner_updates, inner_state = inner.update(
+            as_float32_where_narrower(updates), state.inner_state, wide_params, **extra_args
+        )
+        next_key, step_key = jax.random.split(state.key)
+        # one key per leaf: the step's key folded with the leaf's index
+        leaves, treedef = jax.tree.flatten(params)
+        indices = jax.tree.unflatten(treedef, range(len(leaves)))
+        written = jax.tree.map(
+            lambda param, update, index: _written(
+                param, update, jax.random.fold_in(step_key, index)
+            ),
+            params,
+            inner_updates,
+            indices,
+        )
+        return written, StochasticRoundingState(next_key, inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _written(param: Any, update: Any, key: jax.Array) -> Any:
+    """The float32 update that takes ``param`` to ``SR(float32(param) + update)``."""
+    dtype = getattr(param, "dtype", None)
+    if dtype is None or np.dtype(dtype) not in TARGETS:
+        return update
+    wide = param.astype(jnp.float32)
+    rounded = stochastic_round(wide + update.astype(jnp.float32), dtype, key=key)
+    return rounded.astype(jnp.float32) - wide
+
+
+def _check_key(key: Any) -> None:
+    dtype = getattr(key, "dtype", None)
+    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    raw = dtype == np.uint32 and getattr(key, "shape", None) == (2,)
+    if not (typed or raw):
+        raise TypeError(
+            "key must be a JAX PRNG key, e.g. key=jax.random.key(0), got "
+            f"{type(key).__name__} {key!r}"
+        )

@@ -1,0 +1,69 @@
+"""What every low-precision transform checks and shares: the wrapped optimizer, the
+parameters it needs, and which leaves are narrower than a precision."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+def validated_inner(inner: Any, transform: str) -> optax.GradientTransformationExtraArgs:
+    """``inner`` as an Optax transform that accepts extra arguments; a clear error for a
+    factory passed uncalled (``optax.adam`` for ``optax.adam(1e-3)``) or anything else."""
+    if callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None)):
+        return optax.with_extra_args_support(inner)
+    if callable(inner):
+        name = getattr(inner, "__qualname__", getattr(inner, "__name__", repr(inner)))
+        raise TypeError(
+            f"{transform} wraps an Optax optimizer, got the function {name}: call it first, "
+            f"e.g. jaxscale.{transform}(optax.adamw(1e-3))"
+        )
+    raise TypeError(
+        f"{transform} wraps an Optax optimizer (an object with init and update), got "
+        f"{type(inner).__name__} {inner!r}"
+    )
+
+
+def require_params(params: Any, transform: str) -> None:
+    if params is None:
+        raise ValueError(
+            f"{transform} writes the parameters, so its update needs them: call "
+            "tx.update(grads, opt_state, params)"
+        )
+
+
+def is_narrower(leaf: Any, dtype: Any) -> bool:
+    """Whether ``leaf`` is a floating array with fewer bits than ``dtype``."""
+    leaf_dtype = getattr(leaf, "dtype", None)
+    if leaf_dtype is None or not jnp.issubdtype(leaf_dtype, jnp.floating):
+        return False
+    return np.dtype(leaf_dtype).itemsize < np.dtype(dtype).itemsize
+
+
+def as_float32_where_narrower(tree: Any) -> Any:
+    """``tree`` with each floating leaf narrower than float32 widened to float32."""
+    return jax.tree.map(
+        lambda leaf: leaf.astype(jnp.float32) if is_narrower(leaf, jnp.float32) else leaf, tree
+    )
+
+
+def map_with_optional(fn: Any, optional: Any, *trees: Any) -> Any:
+    """``jax.tree.map`` over ``optional`` (a tree like ``trees[0]`` with ``None`` where
+    a transform keeps nothing for a leaf) and ``trees``; ``fn`` sees ``None`` there."""
+    return jax.tree.map(fn, optional, *trees, is_leaf=lambda node: node is None)
+
+
+def floating_dtype(dtype: Any, name: str) -> np.dtype:
+    try:
+        result = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a floating dtype such as jnp.float32, got {dtype!r}"
+        ) from None
+    if not jnp.issubdtype(result, jnp.floating):
+        raise ValueError(f"{name} must be a floating dtype such as jnp.float32, got {result}")
+    return result

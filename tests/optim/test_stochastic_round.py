@@ -1,0 +1,125 @@
+"""``stochastic_round`` and the block-wise quantizers: properties and errors, without PyTorch."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxscale
+
+
+def float16_neighbours(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x's float16 neighbours toward and away from zero, computed in float64 by NumPy."""
+    magnitude = np.abs(x).astype(np.float64)
+    with np.errstate(over="ignore"):  # past 65520 the nearest float16 is infinity
+        nearest = np.abs(x.astype(np.float16))
+        lower = np.where(magnitude < nearest, np.nextafter(nearest, np.float16(0)), nearest)
+        upper = np.nextafter(lower, np.float16(np.inf))
+    sign = np.where(np.signbit(x), -1, 1)
+    return (sign * lower).astype(np.float16), (sign * upper).astype(np.float16)
+
+
+def test_float16_is_always_one_of_the_two_neighbours():
+    rng = np.random.default_rng(0)
+    exponents = rng.uniform(-28, 17, 200_000)  # float16 subnormals up to past the maximum
+    x = (rng.choice([-1, 1], x_size := exponents.size) * 2.0**exponents).astype(np.float32)
+    assert x_size == 200_000
+    draws = rng.integers(0, 1 << 16, x.shape)
+    rounded = np.asarray(
+        jax.jit(lambda x, b: jaxscale.stochastic_round(x, jnp.float16, bits=b))(x, draws)
+    )
+    lower, upper = float16_neighbours(x)
+    assert np.all((rounded == lower) | (rounded == upper))
+    assert np.isinf(rounded).any()
+    assert (np.abs(rounded[np.isfinite(rounded)]) < 2.0**-14).any()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_the_rounding_is_unbiased(dtype):
+    # 2**16 draws, every one: the mean of the rounded values is x itself (for float16
+    # neighbours that are normal numbers the probability is exact)
+    x = np.float32(1.0 + 2.0**-12 * 3)  # 3/8 of a float16 ulp, 3/64 of bfloat16's
+    draws = np.arange(1 << 16)
+    rounded = jaxscale.stochastic_round(np.full(draws.shape, x), dtype, bits=draws)
+    assert np.mean(np.asarray(rounded, np.float64)) == pytest.approx(float(x), abs=0, rel=1e-12)
+
+
+def test_a_key_draws_bits_and_the_result_depends_on_it():
+    x = jnp.full(10_000, 1.0 + 2.0**-9, jnp.float32)  # a quarter of a bfloat16 ulp above 1
+    first = jaxscale.stochastic_round(x, key=jax.random.key(0))
+    again = jaxscale.stochastic_round(x, key=jax.random.key(0))
+    other = jaxscale.stochastic_round(x, key=jax.random.key(1))
+    np.testing.assert_array_equal(first, again)
+    assert not np.array_equal(first, other)
+    assert np.mean(np.asarray(first, np.float32) > 1.0) == pytest.approx(0.25, abs=0.02)
+    raw = jaxscale.stochastic_round(x, key=jax.random.PRNGKey(0))
+    assert raw.dtype == jnp.bfloat16
+
+
+def test_bfloat16_keeps_subnormals_and_infinities():
+    # built from the bits, never through a float conversion that flushes subnormals
+    subnormals = [0x0008_0001, 0x8000_0003]  # 2**-130 and -(3 * 2**-149), plus a little
+    x = np.array([*subnormals, 0x7F80_0000, 0xFF80_0000], np.uint32).view(np.float32)
+    rounded = jaxscale.stochastic_round(x, bits=np.zeros(4, np.int32))
+    assert np.asarray(rounded).view(np.uint16).tolist() == [0x0009, 0x8001, 0x7F80, 0xFF80]
+
+
+def test_float16_keeps_infinities_and_nans():
+    x = np.array([np.inf, -np.inf, np.nan, 70000.0, 65504.0], np.float32)
+    rounded = np.asarray(jaxscale.stochastic_round(x, jnp.float16, bits=np.zeros(5, np.int32)))
+    assert rounded[:2].tolist() == [np.inf, -np.inf]
+    assert np.isnan(rounded[2])
+    assert rounded[3:].tolist() == [np.inf, 65504.0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"x": np.ones(3, np.float16)}, "expects a float32 x, got float16"),
+        ({"dtype": jnp.float32}, "rounds to bfloat16 or float16, got dtype=float32"),
+        ({"bits": None}, "exactly one of key= .* got neither"),
+        ({"key": jax.random.key(0)}, "exactly one of key= .* got both"),
+        ({"bits": np.zeros(4, np.int32)}, r"bits must be an integer array of x's shape \(3,\)"),
+        ({"bits": np.zeros(3, np.float32)}, "bits must be an integer array"),
+        ({"bits": np.array([0, 1, 1 << 16])}, r"bits must lie in \[0, 2\*\*16\), .* to 65536"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, message):
+    arguments = {"x": np.ones(3, np.float32), "dtype": jnp.bfloat16, "bits": np.zeros(3, np.int32)}
+    arguments.update(kwargs)
+    x = arguments.pop("x")
+    with pytest.raises(ValueError, match=message):
+        jaxscale.stochastic_round(x, **arguments)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: jaxscale.quantize_blockwise(jnp.ones(300), "int8"), "300 elements does not split"),
+        (lambda: jaxscale.quantize_blockwise(jnp.ones(256), jnp.int8), 'float8_e4m3fn or "int8"'),
+        (lambda: jaxscale.quantize_blockwise(jnp.ones(256), "uint8"), "got 'uint8'"),
+        (lambda: jaxscale.quantize_blockwise(jnp.ones(256, int), "int8"), "floating array"),
+        (lambda: jaxscale.quantize_blockwise(jnp.ones(8), "int8", block_size=0), "positive int"),
+        (
+            lambda: jaxscale.dequantize_blockwise(jnp.zeros(8, jnp.uint8), jnp.ones(3), "int8"),
+            "one value per block",
+        ),
+    ],
+)
+def test_blockwise_errors_name_the_bad_value(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_float8_blocks_round_trip_within_the_format():
+    x = jax.random.normal(jax.random.key(0), (64, 64)) * 3.0
+    codes, scale = jaxscale.quantize_blockwise(x, jnp.float8_e4m3fn, block_size=64)
+    assert codes.dtype == jnp.float8_e4m3fn
+    assert scale.shape == (64,)
+    back = jaxscale.dequantize_blockwise(codes, scale, jnp.float8_e4m3fn)
+    # e4m3 keeps 3 fraction bits: within 2**-4 of each value, relative
+    np.testing.assert_allclose(back, x, rtol=2.0**-4, atol=float(jnp.max(scale)) * 2.0**-6)
+    assert ml_dtypes.finfo(jnp.float8_e4m3fn).max == 448
