@@ -22,6 +22,7 @@ simplifier cannot see through.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -110,7 +111,7 @@ def quantize_blockwise(
         codes = divide_exactly(blocks, scale).astype(FLOAT8)
     else:
         scale = amax
-        codes = _nearest_in_map(divide_exactly(blocks, scale), qmap(signed))
+        codes = _nearest_in_map(divide_exactly(blocks, scale), qmap(signed), signed)
     return codes.reshape(x.shape), scale.reshape(-1)
 
 
@@ -150,15 +151,47 @@ def _check_blocks(size: int, block_size: int) -> None:
         )
 
 
-def _nearest_in_map(normalized: jax.Array, table: np.ndarray) -> jax.Array:
-    """torchao's ``quantize_8bit_with_qmap``: a branchless binary search for the last
-    entry ``<= normalized``, then one step up where ``normalized`` is at least halfway
-    to the next entry."""
+def _ordered_keys(bits: Any) -> Any:
+    """float32 bit patterns (uint32, NumPy or JAX) -> keys in the floats' order: the sign
+    bit set for positive numbers, every bit flipped for negative ones."""
+    sign = bits >> 31  # 1 for negative numbers
+    return bits ^ (np.uint32(0x8000_0000) | (np.uint32(0x7FFF_FFFF) * sign))
+
+
+@functools.cache
+def _bucket_table(signed: bool) -> np.ndarray:
+    """For each of the 2**16 buckets of float32 values sharing their key's top 16 bits:
+    the index of the last map entry at or below the bucket's smallest value (-1 where
+    none is). A bucket spans 2**16 consecutive floats, 2**-8 to 2**-7 of their
+    magnitude, and holds at most one further entry of either map (checked here), so one
+    comparison finds the entry."""
+    table = qmap(signed)
+    keys = _ordered_keys(table.view(np.uint32)).astype(np.int64)
+    starts = np.arange(1 << 16, dtype=np.int64) << 16
+    last_at_or_below = np.searchsorted(keys, starts, side="right") - 1
+    inside = np.searchsorted(keys, starts + (1 << 16) - 1, side="right") - 1 - last_at_or_below
+    assert inside.max() <= 1, "two map entries in one bucket"
+    return last_at_or_below.astype(np.int16)
+
+
+def _nearest_in_map(normalized: jax.Array, table: np.ndarray, signed: bool) -> jax.Array:
+    """torchao's ``quantize_8bit_with_qmap``: the last entry ``<= normalized`` (entry 0
+    below the first, and for NaN), then one step up where ``normalized`` is at least
+    halfway to the next entry.
+
+    torchao finds the entry by a branchless binary search, eight gathers deep. The same
+    entry is found here from the value's bucket (:func:`_bucket_table`) and one
+    comparison, which takes a third of the time on a CPU."""
     values = jnp.asarray(table)
-    codes = jnp.zeros(normalized.shape, jnp.int32)
-    for step in (128, 64, 32, 16, 8, 4, 2, 1):
-        codes = codes + jnp.where(normalized >= values[codes + step], step, 0)
+    unsigned_zero = jnp.where(normalized == 0, np.float32(0.0), normalized)  # -0.0 is 0.0
+    buckets = _ordered_keys(lax.bitcast_convert_type(unsigned_zero, jnp.uint32)) >> 16
+    buckets = buckets.astype(jnp.int32)
+    below = jnp.asarray(_bucket_table(signed))[buckets].astype(jnp.int32)
+    after = values[jnp.clip(below + 1, 0, 255)]
+    codes = jnp.where((below < 255) & (normalized >= after), below + 1, below)
+    codes = jnp.maximum(codes, 0)
     up = jnp.minimum(codes + 1, 255)
-    below, above = values[codes], values[up]
-    codes = jnp.where(normalized - below >= (above - below) * np.float32(0.5), up, codes)
+    low, high = values[codes], values[up]
+    codes = jnp.where(normalized - low >= (high - low) * np.float32(0.5), up, codes)
+    codes = jnp.where(jnp.isnan(normalized), 0, codes)
     return codes.astype(jnp.uint8)

@@ -95,7 +95,11 @@ def _uniform_16_bit(shape: tuple[int, ...], key: Any, bits: Any) -> jax.Array:
             + ("neither" if key is None else "both")
         )
     if key is not None:
-        return jax.random.bits(key, shape, jnp.uint16).astype(jnp.uint32)
+        # two 16-bit draws from each 32 random bits: the generator's work is halved
+        size = int(np.prod(shape, dtype=np.int64))
+        words = jax.random.bits(key, ((size + 1) // 2,), jnp.uint32)
+        halves = jnp.concatenate([words & 0xFFFF, words >> 16])
+        return halves[:size].reshape(shape)
     bits = jnp.asarray(bits)
     if not jnp.issubdtype(bits.dtype, jnp.integer) or bits.shape != shape:
         raise ValueError(

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import jaxscale
-from jaxscale.optim import _dynamic_maps
+from jaxscale.optim import _blockwise, _dynamic_maps
 
 with warnings.catch_warnings():  # torchao's import warns about its optional GPU kernels
     warnings.simplefilter("ignore")
@@ -137,6 +137,24 @@ def test_int8_blocks_are_torchaos_dynamic_map_quantization(signed):
     expected = quant_utils.dequant_with_qmap(codes, table, scale).numpy()
     ours = jaxscale.dequantize_blockwise(ours_codes, ours_scale, "int8", signed=signed)
     np.testing.assert_array_equal(np.asarray(ours).view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_nearest_entry_is_torchaos_at_every_entry_midpoint_and_edge(signed):
+    # quantize_8bit_with_qmap on normalized values directly: each map entry, each midpoint
+    # between neighbours, the floats on either side of both, beyond the ends, signed
+    # zeros, infinities and NaN
+    table = (_dynamic_maps.SIGNED if signed else _dynamic_maps.UNSIGNED).astype(np.float32)
+    midpoints = (table[:-1] + (table[1:] - table[:-1]) * np.float32(0.5)).astype(np.float32)
+    points = np.concatenate([table, midpoints])
+    edges = np.array([-0.0, 0.0, np.inf, -np.inf, np.nan, 1.5, -1.5, 2.0**-140], np.float32)
+    x = np.concatenate([
+        points, np.nextafter(points, np.float32(np.inf)), np.nextafter(points, np.float32(-np.inf)),
+        edges,
+    ]).astype(np.float32)  # fmt: skip
+    expected = quant_utils.quantize_8bit_with_qmap(torch.from_numpy(x), torch.from_numpy(table))
+    ours = jax.jit(lambda v: _blockwise._nearest_in_map(v, table, signed))(x)
+    np.testing.assert_array_equal(np.asarray(ours), expected.numpy())
 
 
 @pytest.mark.parametrize("signed", [True, False])

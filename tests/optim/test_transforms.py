@@ -94,11 +94,15 @@ def test_master_weights_land_on_the_rounded_master_bitwise(dtype, jit):
     history = run(jaxscale.master_weights(adamw(1e-2)), make_params(dtype), 6, jit=jit)
     old = make_params(dtype)["w"].astype(F32)
     checked = 0
-    for params, state, _ in history:
+    for params, state, updates in history:
         rounded = state.masters["w"].astype(dtype)
         # the bound optax's one float32 addition can carry: zero, or >= 2**-12 of the old value
         exact = (rounded == 0) | (jnp.abs(rounded.astype(F32)) >= jnp.abs(old) * 2.0**-12)
         np.testing.assert_array_equal(np.asarray(params["w"])[exact], np.asarray(rounded)[exact])
+        # already in float32, before optax's cast: the update is the exact difference, so
+        # nothing is rounded twice
+        landed = np.asarray(old + updates["w"])[exact]
+        np.testing.assert_array_equal(landed, np.asarray(rounded.astype(F32))[exact])
         checked += int(exact.sum())
         old = params["w"].astype(F32)
         assert params["w"].dtype == dtype
