@@ -163,18 +163,24 @@ class Config:
     growth_interval: int = 50
     seed: int = 0
     locate: bool = False  # say where each skipped step's inf or NaN was born
+    grad_dtype: str | None = None  # "float32": weight gradients out of their matmuls in float32
 
     @property
     def label(self) -> str:
+        gradients = f", {self.grad_dtype} gradients" if self.grad_dtype else ""
         if self.precision != "float16":
-            return self.precision
-        return "float16 + jaxscale" if self.scaler else "float16, no loss scaling"
+            return self.precision + gradients
+        return ("float16 + jaxscale" if self.scaler else "float16, no loss scaling") + gradients
 
     @property
     def forward(self) -> Callable[..., jax.Array]:
         """The loss as the training step computes it: under autocast unless float32."""
         options = autocast_options(self.precision)
-        return loss_fn if options is None else jaxscale.autocast(loss_fn, **options)
+        if options is None:
+            return loss_fn
+        if self.grad_dtype is not None:
+            options["grad_dtype"] = jnp.dtype(self.grad_dtype)
+        return jaxscale.autocast(loss_fn, **options)
 
 
 def build(

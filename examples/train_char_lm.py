@@ -13,6 +13,7 @@ wrote it.
     python examples/train_char_lm.py --no-scaler       # float16 without loss scaling
     python examples/train_char_lm.py --precision float32
     python examples/train_char_lm.py --precision float8-rowwise  # torchao's float8 recipe
+    python examples/train_char_lm.py --grad-dtype float32  # float32 weight gradients
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     parser.add_argument("--devices", type=int, default=defaults.devices,
                         help="simulated data-parallel devices (1: plain training)")  # fmt: skip
+    parser.add_argument("--grad-dtype", choices=["float32"], default=None,
+                        help="weight gradients out of their matmuls in float32 "
+                             "(jaxscale.autocast's grad_dtype)")  # fmt: skip
     parser.add_argument("--no-locate", action="store_true",
                         help="skip jaxscale.locate_nonfinite (where each skipped step's inf "
                              "was born)")  # fmt: skip
@@ -115,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         batch_size=args.batch_size,
         devices=args.devices,
         locate=not args.no_locate,
+        grad_dtype=args.grad_dtype,
     )
     print(f"Training: {config.label}; {config.steps} steps of {config.batch_size}x{config.seq_len} "
           f"characters, as one of {config.devices} data-parallel devices")  # fmt: skip

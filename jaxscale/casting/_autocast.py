@@ -26,7 +26,13 @@ _DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 @overload
 def autocast(
-    fn: F, *, device_type: str = ..., dtype: Any = ..., enabled: bool = ..., float8: Any = ...
+    fn: F,
+    *,
+    device_type: str = ...,
+    dtype: Any = ...,
+    enabled: bool = ...,
+    float8: Any = ...,
+    grad_dtype: Any = ...,
 ) -> F: ...
 @overload
 def autocast(
@@ -36,6 +42,7 @@ def autocast(
     dtype: Any = ...,
     enabled: bool = ...,
     float8: Any = ...,
+    grad_dtype: Any = ...,
 ) -> Callable[[F], F]: ...
 
 
@@ -46,6 +53,7 @@ def autocast(
     dtype: Any = None,
     enabled: bool = True,
     float8: Any = None,
+    grad_dtype: Any = None,
 ) -> Any:
     """Run ``fn`` with PyTorch's autocast policy: ``with torch.autocast("cuda"):``, or
     ``with torch.autocast("cpu"):`` with ``device_type="cpu"``.
@@ -99,6 +107,14 @@ def autocast(
         columns are multiples of 16 then runs its forward matmul and both backward
         matmuls on float8 operands with dynamic scales, as torchao's
         ``Float8Linear`` does; everything else follows ``dtype``.
+      grad_dtype: ``None`` (the default), or ``jnp.float32``: the gradient of a
+        float32 value that autocast narrows for a matmul (a parameter, an input)
+        comes out of the backward matmul in float32, computed from the same
+        half-precision operands (``preferred_element_type=float32``), and is never
+        rounded to ``dtype`` on its way back (FSDP's ``reduce_dtype=torch.float32``;
+        data-parallel all-reduces then sum float32). It applies to ``dot_general``
+        outside the float8 recipes' linear layers, and makes those matmuls
+        reverse-mode only (a ``custom_vjp``): ``jax.jvp`` of them is an error.
 
     Returns:
       The transformed function, or a decorator when ``fn`` is omitted.
@@ -128,8 +144,9 @@ def autocast(
     dtype = DEFAULT_DTYPES[device_type] if dtype is None else _validated_dtype(dtype)
     validation.as_bool("enabled", enabled)
     recipe = recipe_for(float8)
+    gradients = _validated_grad_dtype(grad_dtype)
     if fn is None:
-        return _Decorator(device_type, dtype, enabled, recipe)
+        return _Decorator(device_type, dtype, enabled, recipe, gradients)
     if isinstance(fn, str):
         raise TypeError(
             f"autocast's first argument is the function to transform, got {fn!r}: PyTorch's "
@@ -148,7 +165,8 @@ def autocast(
             if not enabled:
                 return fn(*args, **kwargs)
             refuse_inside_hidden_state(getattr(fn, "__name__", type(fn).__name__))
-            return _run(Autocaster(dtype, recipe, device_type), fn, args, kwargs)
+            autocaster = Autocaster(dtype, recipe, device_type, grad_dtype=gradients)
+            return _run(autocaster, fn, args, kwargs)
 
     return autocast_fn
 
@@ -159,9 +177,12 @@ class _Decorator:
     a ``with`` block inside a traced function is traced into the caller's program as it
     goes, and nothing JAX offers a library can rewrite it afterwards."""
 
-    def __init__(self, device_type: str, dtype: np.dtype, enabled: bool, recipe: Any):
+    def __init__(
+        self, device_type: str, dtype: np.dtype, enabled: bool, recipe: Any, grad_dtype: Any
+    ):
         self._options = {
-            "device_type": device_type, "dtype": dtype, "enabled": enabled, "float8": recipe
+            "device_type": device_type, "dtype": dtype, "enabled": enabled, "float8": recipe,
+            "grad_dtype": grad_dtype,
         }  # fmt: skip
 
     def __call__(self, fn: Callable[..., Any]) -> Any:
@@ -198,6 +219,20 @@ def _run(
         for out, dtype, threaded in zip(outs[:count], traced, call.threaded_outputs, strict=True)
     ]
     return call.finish([*results, *cast_floating(outs[count:], call.state_dtypes)])
+
+
+def _validated_grad_dtype(grad_dtype: Any) -> np.dtype | None:
+    if grad_dtype is None:
+        return None
+    try:
+        if np.dtype(grad_dtype) == np.float32:
+            return np.dtype(np.float32)
+    except TypeError:
+        pass
+    raise ValueError(
+        f"grad_dtype must be None or jnp.float32, got {grad_dtype!r}: with jnp.float32 the "
+        "gradients of values autocast narrows for a matmul come out of it in float32"
+    )
 
 
 def _validated_dtype(dtype: Any) -> np.dtype:

@@ -59,6 +59,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -76,6 +77,7 @@ from jaxscale._src.jaxprs import (
 from jaxscale.casting import _axes
 from jaxscale.casting._float8_matmul import Float8Recipe, float8_dot_general
 from jaxscale.casting._float8_matmul import eligible as float8_eligible
+from jaxscale.casting._float32_gradients import dot_with_float32_gradients
 from jaxscale.casting._policy import Precision, is_registered, row_for
 
 # The named scope every autocast call runs under. Equations traced under it were
@@ -137,6 +139,11 @@ _BROADCASTING_ELEMENTWISE = {
 # CPU policy also sum, cumsum, cumprod), which PyTorch's kernels accumulate in float32,
 # rounding the result once: XLA would round every partial result.
 _ACCUMULATES_IN_FLOAT32 = {"reduce_window_sum", "reduce_sum", "cumsum", "cumprod"}
+# Maxima and minima over axes, of a float16 or bfloat16 input, computed in float32 and
+# rounded back (exact: the result is one of the inputs). JAX differentiates a maximum into
+# a sum of the tied positions in the input's dtype (softmax's and logsumexp's stabiliser
+# included, stop_gradient or not); in float32 that sum is a float32 one.
+_EXACT_IN_FLOAT32 = {"reduce_max", "reduce_min"}
 # A window's sum divided by its size (or count) is one average-pooling kernel in PyTorch,
 # which divides the float32 sum and rounds once: a division of such a sum, or of a view
 # of it, reads the float32 sum.
@@ -213,10 +220,19 @@ def is_marked(eqn: Any) -> bool:
 class Autocaster:
     """Evaluates jaxprs with the policy for one autocast ``dtype`` (float16 or bfloat16)."""
 
-    def __init__(self, dtype: Any, float8: Float8Recipe | None = None, device_type: str = "cuda"):
+    def __init__(
+        self,
+        dtype: Any,
+        float8: Float8Recipe | None = None,
+        device_type: str = "cuda",
+        *,
+        grad_dtype: Any = None,
+    ):
         self.dtype = np.dtype(dtype)
         self.float8 = float8
         self.device_type = device_type
+        # float32: the matmuls' gradients of operands narrowed from float32 stay float32
+        self.grad_dtype = grad_dtype
         # Casts made in the jaxpr being evaluated, so that a value cast for several
         # operations is converted once: {(id(value), dtype): (value, cast value)}.
         self._casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
@@ -422,6 +438,12 @@ class Autocaster:
                         lhs, invals[1], params["dimension_numbers"], self.float8, self.dtype
                     )
                     return [out], [Tag.PRODUCT]
+                if self._keeps_float32_gradients(eqn, floating, traced):
+                    out = dot_with_float32_gradients(
+                        invals[0], invals[1], params["dimension_numbers"], self.dtype,
+                        params.get("precision"),
+                    )  # fmt: skip
+                    return [out], [Tag.PRODUCT]
                 invals = [
                     self.cast(v, self.dtype, t) if is_floating(v.dtype) else v
                     for v, t in zip(invals, in_tags, strict=True)
@@ -447,7 +469,7 @@ class Autocaster:
         elif name not in _EACH_OPERAND_ON_ITS_OWN:
             invals = self._promote_to_widest(invals, in_tags, traced)
 
-        if name in _ACCUMULATES_IN_FLOAT32 and invals[0].dtype in _HALF:
+        if name in (_ACCUMULATES_IN_FLOAT32 | _EXACT_IN_FLOAT32) and invals[0].dtype in _HALF:
             wide = bind_in_context(eqn, [cast(invals[0], jnp.float32)], params)
             outvals = [cast(v, invals[0].dtype) for v in wide]
             if name in _DIVIDED_BEFORE_ROUNDING:
@@ -500,6 +522,20 @@ class Autocaster:
                     expanded=Tag.EXPANDED in in_tags[addend],
                 )
         return False
+
+    def _keeps_float32_gradients(self, eqn: Any, floating: list[Any], traced: list[Any]) -> bool:
+        """With ``grad_dtype=float32``: a matmul narrowing an operand wider than the autocast
+        dtype, whose result is the autocast dtype (not a wider one asked for)."""
+        if self.grad_dtype is None or eqn.primitive.name != "dot_general":
+            return False
+        preferred = eqn.params.get("preferred_element_type")
+        if (
+            preferred is not None
+            and is_floating(preferred)
+            and _asks_for_a_wider_result(preferred, traced)
+        ):
+            return False
+        return any(v.dtype.itemsize > self.dtype.itemsize for v in floating)
 
     def _runs_in_float8(self, eqn: Any) -> bool:
         """A linear layer's matmul under a float8 recipe: eligible, and not a matmul of a
@@ -554,37 +590,65 @@ def summed_back_in_float32(broadcast: Callable[[Any], Any], value: Any) -> Any:
     JAX differentiates a broadcast into a sum in the value's own dtype: the gradient of
     a float16 bias, or of a ``[batch, 1, 1, channels]`` embedding added to a feature
     map, would be a float16 sum of thousands of terms, whose accuracy is left to the
-    compiler. PyTorch's ``sum_to_size`` accumulates in float32 and rounds once; so
-    does this, broadcasting through float32.
+    compiler (XLA's CPU backend rounds each block's partial sum to float16), and which
+    ``jax.allow_f16_reductions(False)`` refuses. PyTorch's ``sum_to_size`` accumulates
+    in float32 and rounds once; so does this. The value is broadcast as it is; only its
+    derivative is written through float32 (a ``custom_jvp``), so the forward pass is
+    unchanged and the gradient's sum reads the float16 cotangent widened as it goes.
 
-    Not on the CPU, where the sum stays in ``value``'s dtype: there XLA writes each
-    float32 sum's input out in full and moves the backward pass's elementwise work
-    into the transposed copies its matmuls read, which made a transformer's train
-    step 1.45× slower. XLA's CPU backend splits a float16 sum into blocks and rounds
-    each block's partial sum to float16.
+    Not on the CPU, unless ``jax.allow_f16_reductions(False)`` is in force: there the
+    sum stays in ``value``'s dtype, because XLA's CPU backend writes each float32
+    sum's widened input out in full, which made the main example's train step 1.38×
+    slower (measured on a 2-core AMD EPYC).
     """
-
-    def through_float32(half: Any) -> Any:
-        # the module's cast, not Autocaster.cast, whose cache could hand back the wider
-        # value this one was rounded from
-        return cast(broadcast(cast(half, jnp.float32)), half.dtype)
-
-    return lax.platform_dependent(value, cpu=broadcast, default=through_float32)
+    return _on_the_cpu_in_half(broadcast, value)
 
 
 def bias_added_with_a_float32_gradient_sum(add: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
     """``add(a, b)`` for a float16 or bfloat16 product and bias, the same bit for bit,
     written so that the bias's gradient, a sum over the axes it is broadcast along,
-    accumulates in float32 and is rounded to its dtype once: :func:`added_through_float32`.
+    accumulates in float32 and is rounded to its dtype once.
 
     The bias may be broadcast by this addition (size-1 axes, a 0-d value), and over a
     batch by a ``jax.vmap`` applied outside autocast, which traced one example
-    (Equinox's ``jax.vmap(jaxscale.autocast(model))``): an addition in the half dtype
-    would leave that batch's sum to ``vmap``, in the half dtype. Not on the CPU, for
-    the reason :func:`summed_back_in_float32` gives.
+    (Equinox's ``jax.vmap(jaxscale.autocast(model))``): the derivative is written as
+    :func:`added_through_float32`, so that either sum is a float32 one. On the CPU as
+    :func:`summed_back_in_float32` says.
     """
-    through_float32 = functools.partial(added_through_float32, add)
-    return lax.platform_dependent(a, b, cpu=add, default=through_float32)
+    return _on_the_cpu_in_half(add, a, b)
+
+
+def half_sums_allowed() -> bool:
+    """Whether JAX lets a program sum float16 and bfloat16 values in their own dtype
+    (``jax.allow_f16_reductions``, in force while the function is traced)."""
+    return bool(getattr(jax.config, "jax_allow_f16_reductions", True))
+
+
+def _on_the_cpu_in_half(fn: Callable[..., Any], *values: Any) -> Any:
+    """``fn(*values)`` with a float32 derivative (:func:`_with_float32_tangent`), except
+    in the CPU's program where half-precision sums are allowed."""
+    wide = functools.partial(_with_float32_tangent, fn)
+    if not half_sums_allowed():
+        return wide(*values)
+    return lax.platform_dependent(*values, cpu=fn, default=wide)
+
+
+def _with_float32_tangent(fn: Callable[..., Any], *values: Any) -> Any:
+    """``fn(*values)`` (float16 or bfloat16 values, one result in their dtype), whose
+    derivative is ``fn`` of the tangents in float32, rounded to the result's dtype: its
+    transpose, a gradient, then sums in float32 wherever ``fn`` broadcasts."""
+
+    @jax.custom_jvp
+    def spread(*args: Any) -> Any:
+        return fn(*args)
+
+    @spread.defjvp
+    def spread_jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
+        out = fn(*primals)
+        wide = fn(*(cast(t, jnp.float32) for t in tangents))
+        return out, cast(wide, out.dtype)
+
+    return spread(*values)
 
 
 def added_through_float32(add: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:

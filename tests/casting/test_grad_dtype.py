@@ -1,0 +1,145 @@
+"""``autocast(..., grad_dtype=jnp.float32)``: the gradient of a float32 value narrowed for a
+matmul comes out of the backward matmul in float32, from half-precision operands.
+
+FSDP's ``MixedPrecision(reduce_dtype=torch.float32)`` is PyTorch's counterpart: the
+data-parallel reduction of weight gradients in float32. Checked: the backward matmul's
+dtypes, its values, the loss scale at which a float16 weight gradient overflows, the
+dtype of the all-reduce on 8 devices, and that ``None`` changes nothing.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxscale
+
+F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
+
+
+def layer(params, x):
+    return jnp.mean((x @ params["w"] + params["b"][None]).astype(F32) ** 2)
+
+
+def make(scale=1.0):
+    keys = jax.random.split(jax.random.key(0), 2)
+    params = {"w": jax.random.normal(keys[0], (64, 32)) * 0.1, "b": jnp.ones(32)}
+    return params, jax.random.normal(keys[1], (256, 64)) * scale
+
+
+def dot_dtypes(jaxpr) -> list[str]:
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            operands = " x ".join(v.aval.dtype.name for v in eqn.invars)
+            found.append(f"{operands} -> {eqn.outvars[0].aval.dtype.name}")
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += dot_dtypes(sub)
+    return found
+
+
+def test_none_changes_nothing():
+    params, x = make()
+    plain = jax.make_jaxpr(jax.grad(jaxscale.autocast(layer)))(params, x)
+    none = jax.make_jaxpr(jax.grad(jaxscale.autocast(layer, grad_dtype=None)))(params, x)
+    assert str(plain) == str(none)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_the_weight_gradient_is_a_half_matmul_with_a_float32_result(dtype):
+    params, x = make()
+    grad = jax.grad(jaxscale.autocast(layer, dtype=dtype, grad_dtype=F32))
+    half = np.dtype(dtype).name
+    assert sorted(dot_dtypes(jax.make_jaxpr(grad)(params, x).jaxpr)) == sorted([
+        f"{half} x {half} -> {half}",  # forward
+        f"{half} x {half} -> float32",  # the input's gradient (unused)
+        f"{half} x {half} -> float32",  # the weight's
+    ])  # fmt: skip
+    # the values: the float32 product of the same half-precision operands
+    out_grad = jax.grad(lambda y: jnp.mean((y + params["b"].astype(dtype)[None]).astype(F32) ** 2))(
+        x.astype(dtype) @ params["w"].astype(dtype)
+    )
+    expected = lax.dot_general(
+        x.astype(dtype), out_grad, (((0,), (0,)), ((), ())), preferred_element_type=F32
+    )
+    np.testing.assert_array_equal(grad(params, x)["w"], expected)
+
+
+def test_a_float16_weight_gradient_that_would_overflow_stays_finite():
+    # under a loss scale of 2**20 the weight gradient's float16 matmul result overflows
+    # (it sums 256 rows' products); in float32 it does not, and grad_scaler takes the step
+    params, x = make(scale=4.0)
+    params = {"w": params["w"]}
+    tx = jaxscale.grad_scaler(optax.sgd(1e-3), init_scale=2.0**20)
+    state = tx.init(params)
+
+    def without_bias(params, x):
+        return jnp.mean((x @ params["w"]).astype(F32) ** 2)
+
+    def step(grad_dtype):
+        loss = jaxscale.autocast(without_bias, grad_dtype=grad_dtype)
+        grads = jax.grad(lambda p: jaxscale.scale(loss(p, x), state))(params)
+        _, new_state = tx.update(grads, state, params)
+        return grads, new_state
+
+    grads, new_state = jax.jit(step, static_argnums=0)(None)
+    assert not bool(jnp.isfinite(grads["w"]).all())
+    assert bool(jaxscale.found_inf(new_state))
+    grads, new_state = jax.jit(step, static_argnums=0)(F32)
+    assert bool(jnp.isfinite(grads["w"]).all())
+    assert not bool(jaxscale.found_inf(new_state))
+
+
+def all_reduce_dtypes(hlo: str) -> list[str]:
+    """The element types each all-reduce of the compiled program carries."""
+    found = []
+    for line in hlo.splitlines():
+        match = re.search(r"= (\(?[^=]*?\)?) all-reduce(?:-start)?\(", line)
+        if match:
+            found += re.findall(r"\b(f16|bf16|f32)\[", match.group(1))
+    return found
+
+
+def test_data_parallel_weight_gradients_are_all_reduced_in_float32():
+    mesh = jax.make_mesh((8,), ("data",))
+    params, x = make()
+    x = jax.device_put(x, NamedSharding(mesh, P("data")))
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+
+    def reduced(grad_dtype):
+        grad = jax.jit(jax.grad(jaxscale.autocast(layer, grad_dtype=grad_dtype)))
+        return sorted(all_reduce_dtypes(grad.lower(params, x).compile().as_text()))
+
+    # the default reduces the float16 weight gradient (and the bias's) in float16; with
+    # grad_dtype the weight's in float32 (the bias's sum is rounded to float16 first)
+    assert reduced(None) == ["f16", "f16"]
+    assert reduced(F32) == ["f16", "f32"]
+
+
+def test_forward_mode_is_refused():
+    params, x = make()
+    loss = jaxscale.autocast(layer, grad_dtype=F32)
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(lambda w: loss({**params, "w": w}, x), (params["w"],), (params["w"],))
+
+
+def test_float8_layers_follow_their_recipe():
+    params, x = make()
+    with_grad = jax.make_jaxpr(
+        jax.grad(jaxscale.autocast(layer, dtype=BF16, float8="tensorwise", grad_dtype=F32))
+    )(params, x)
+    assert "float8_e4m3fn" in str(with_grad)
+
+
+@pytest.mark.parametrize("bad", [jnp.float16, "float32x", 32])
+def test_other_grad_dtypes_are_refused(bad):
+    with pytest.raises(ValueError, match=r"grad_dtype must be None or jnp\.float32"):
+        jaxscale.autocast(layer, grad_dtype=bad)
