@@ -131,6 +131,8 @@ PRECISIONS = (
     "float8-tensorwise",
     "float8-rowwise",
     "float8-rowwise_with_gw_hp",
+    "float8-mxfp8",
+    "float8-mxfp8_wgrad_with_hp",
 )
 
 

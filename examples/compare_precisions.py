@@ -46,6 +46,8 @@ FLOAT8_SETTINGS = [
     ("float8-tensorwise", False),
     ("float8-rowwise", False),
     ("float8-rowwise_with_gw_hp", False),
+    ("float8-mxfp8", False),
+    ("float8-mxfp8_wgrad_with_hp", False),
 ]
 
 

@@ -11,9 +11,11 @@ precision (master weights, stochastic rounding, Kahan summation, 8-bit state).
 
 from jaxscale.casting import autocast as autocast
 from jaxscale.casting import custom_fwd as custom_fwd
+from jaxscale.casting import dequantize_mx as dequantize_mx
 from jaxscale.casting import get_autocast_dtype as get_autocast_dtype
 from jaxscale.casting import is_autocast_enabled as is_autocast_enabled
 from jaxscale.casting import quantize_float8 as quantize_float8
+from jaxscale.casting import quantize_mx as quantize_mx
 from jaxscale.core import ScalerState as ScalerState
 from jaxscale.core import ScaleWarning as ScaleWarning
 from jaxscale.core import all_finite as all_finite
@@ -72,6 +74,7 @@ __all__ = [
     "autocast",
     "custom_fwd",
     "dequantize_blockwise",
+    "dequantize_mx",
     "found_inf",
     "get_autocast_dtype",
     "get_scale",
@@ -91,6 +94,7 @@ __all__ = [
     "precision_stats",
     "quantize_blockwise",
     "quantize_float8",
+    "quantize_mx",
     "scale",
     "scale_outputs",
     "skipped_steps",

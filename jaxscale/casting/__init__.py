@@ -8,9 +8,13 @@ CPU policy, :data:`CPU_POLICY`.
 from jaxscale.casting._autocast import autocast as autocast
 from jaxscale.casting._custom_fwd import custom_fwd as custom_fwd
 from jaxscale.casting._float8 import quantize_float8 as quantize_float8
+from jaxscale.casting._float8_matmul import MX_RECIPES as MX_RECIPES
 from jaxscale.casting._float8_matmul import RECIPES as RECIPES
 from jaxscale.casting._float8_matmul import Cast as Cast
 from jaxscale.casting._float8_matmul import Float8Recipe as Float8Recipe
+from jaxscale.casting._float8_matmul import MXRecipe as MXRecipe
+from jaxscale.casting._mx import dequantize_mx as dequantize_mx
+from jaxscale.casting._mx import quantize_mx as quantize_mx
 from jaxscale.casting._policy import AS_TRACED as AS_TRACED
 from jaxscale.casting._policy import CPU_POLICY as CPU_POLICY
 from jaxscale.casting._policy import POLICY as POLICY
@@ -25,18 +29,22 @@ from jaxscale.casting._region import is_autocast_enabled as is_autocast_enabled
 __all__ = [
     "AS_TRACED",
     "CPU_POLICY",
+    "MX_RECIPES",
     "POLICY",
     "RECIPES",
     "UNSUPPORTED_HIGHER_ORDER",
     "Cast",
     "Float8Recipe",
+    "MXRecipe",
     "Precision",
     "Row",
     "autocast",
     "custom_fwd",
+    "dequantize_mx",
     "get_autocast_dtype",
     "is_autocast_enabled",
     "quantize_float8",
+    "quantize_mx",
     "register_policy",
     "row_for",
 ]

@@ -106,7 +106,12 @@ def autocast(
         ``dot_general`` without batch dimensions whose rows, contracted size and
         columns are multiples of 16 then runs its forward matmul and both backward
         matmuls on float8 operands with dynamic scales, as torchao's
-        ``Float8Linear`` does; everything else follows ``dtype``.
+        ``Float8Linear`` does; everything else follows ``dtype``. ``"mxfp8"`` and
+        ``"mxfp8_wgrad_with_hp"`` (or a :class:`jaxscale.casting.MXRecipe`) are torchao's
+        MXFP8 recipes (``MXFP8Linear`` with ``KernelPreference.EMULATED``): every operand
+        of the three matmuls in MXFP8, blocked by 32 along that matmul's contracting
+        dimension (:func:`jaxscale.quantize_mx`, RCEIL scales), dequantized to ``dtype``
+        and multiplied there, for matmuls whose three sizes are multiples of 32.
       grad_dtype: ``None`` (the default), or ``jnp.float32``: the gradient of a
         float32 value that autocast narrows for a matmul (a parameter, an input)
         comes out of the backward matmul in float32, computed from the same

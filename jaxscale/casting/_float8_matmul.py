@@ -33,6 +33,7 @@ import numpy as np
 from jax import lax
 
 from jaxscale.casting._float8 import quantize_float8
+from jaxscale.casting._mx import dequantize_mx, quantize_mx
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 
@@ -117,15 +118,45 @@ RECIPES: dict[str, Float8Recipe] = {
 }
 
 
-def recipe_for(float8: Any) -> Float8Recipe | None:
+@dataclasses.dataclass(frozen=True)
+class MXRecipe:
+    """torchao's MXFP8 training recipe (``MXFP8Linear``, ``MXFP8_EMULATED_RCEIL``): every
+    operand of a linear layer's three matmuls in MXFP8, blocked along that matmul's
+    contracting dimension, each block with its own power-of-two scale.
+
+    Attributes:
+      name: the recipe's name.
+      scale_mode: ``"rceil"`` or ``"floor"`` (:func:`jaxscale.quantize_mx`).
+      wgrad_with_hp: the weight gradient's matmul in high precision (torchao's
+        ``wgrad_with_hp=True``).
+      block_size: elements per scale.
+    """
+
+    name: str
+    scale_mode: str = "rceil"
+    wgrad_with_hp: bool = False
+    block_size: int = 32
+
+
+MX_RECIPES: dict[str, MXRecipe] = {
+    "mxfp8": MXRecipe("mxfp8"),
+    "mxfp8_wgrad_with_hp": MXRecipe("mxfp8_wgrad_with_hp", wgrad_with_hp=True),
+}
+
+Recipe = Float8Recipe | MXRecipe
+
+
+def recipe_for(float8: Any) -> Recipe | None:
     """The recipe ``autocast(..., float8=...)`` names: ``None``, a name, or a recipe."""
-    if float8 is None or isinstance(float8, Float8Recipe):
+    if float8 is None or isinstance(float8, Float8Recipe | MXRecipe):
         return float8
     if isinstance(float8, str) and float8 in RECIPES:
         return RECIPES[float8]
+    if isinstance(float8, str) and float8 in MX_RECIPES:
+        return MX_RECIPES[float8]
     raise ValueError(
-        f"float8 must be None, one of {sorted(RECIPES)} or a jaxscale.casting.Float8Recipe, "
-        f"got {float8!r}"
+        f"float8 must be None, one of {sorted(RECIPES) + sorted(MX_RECIPES)}, a "
+        f"jaxscale.casting.Float8Recipe or a jaxscale.casting.MXRecipe, got {float8!r}"
     )
 
 
@@ -146,14 +177,16 @@ def as_rows_and_columns(dimension_numbers: Any, lhs_shape: Any, rhs_shape: Any) 
     return (*lhs_free, *lhs_contract), (*rhs_contract, *rhs_free), m, k, n
 
 
-def eligible(eqn: Any) -> bool:
+def eligible(eqn: Any, recipe: Recipe | None = None) -> bool:
     """A floating ``dot_general`` with no batch dimensions whose rows, contracted size
-    and columns are multiples of 16 (float8 matmul kernels need that alignment)."""
+    and columns are multiples of 16 (float8 matmul kernels need that alignment), or of
+    an MX recipe's block size (each of the three matmuls blocks one of them)."""
     lhs, rhs = (v.aval for v in eqn.invars)
     if not all(jnp.issubdtype(a.dtype, jnp.floating) for a in (lhs, rhs)):
         return False
     layout = as_rows_and_columns(eqn.params["dimension_numbers"], lhs.shape, rhs.shape)
-    return layout is not None and all(size % 16 == 0 for size in layout[2:])
+    alignment = recipe.block_size if isinstance(recipe, MXRecipe) else 16
+    return layout is not None and all(size % alignment == 0 for size in layout[2:])
 
 
 # -- the matmul ----------------------------------------------------------------------------
@@ -212,15 +245,60 @@ def float8_linear(x: jax.Array, w_t: jax.Array, recipe: Float8Recipe, out_dtype:
     return matmul(x, w_t)
 
 
+def mx_linear(x: jax.Array, w_t: jax.Array, recipe: MXRecipe, out_dtype: Any) -> jax.Array:
+    """``x @ w_t`` for ``x`` (M, K) and ``w_t`` (K, N) as torchao's ``MXFP8Linear`` with
+    ``KernelPreference.EMULATED`` computes it: each matmul's operands quantized to MXFP8
+    along its contracting dimension (:func:`quantize_mx`), dequantized to ``out_dtype``,
+    and multiplied in ``out_dtype``; the weight gradient from high-precision operands
+    with ``wgrad_with_hp``. The result and both gradients in ``out_dtype`` (the
+    gradients cast to each operand's own dtype)."""
+
+    def mx(value: jax.Array, axis: int) -> jax.Array:
+        data, scale = quantize_mx(
+            value.astype(jnp.float32) if value.dtype != jnp.bfloat16 else value,
+            block_size=recipe.block_size, axis=axis, scale_mode=recipe.scale_mode,
+        )  # fmt: skip
+        return dequantize_mx(data, scale, out_dtype, axis=axis)
+
+    def mm(a: jax.Array, b: jax.Array) -> jax.Array:
+        return lax.dot_general(
+            a, b, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype
+        ).astype(out_dtype)
+
+    @jax.custom_vjp
+    def matmul(x: jax.Array, w_t: jax.Array) -> jax.Array:
+        return mm(mx(x, 1), mx(w_t, 0))  # both along K
+
+    def forward(x: jax.Array, w_t: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        return matmul(x, w_t), (x, w_t)  # high precision kept, as torchao keeps it
+
+    def backward(saved: tuple[jax.Array, jax.Array], grad: jax.Array) -> tuple[Any, Any]:
+        x, w_t = saved
+        grad = grad.astype(out_dtype)
+        grad_x = mm(mx(grad, 1), mx(w_t, 1).T)  # along N
+        if recipe.wgrad_with_hp:
+            grad_w_t = mm(x.astype(out_dtype).T, grad)
+        else:
+            grad_w_t = mm(mx(x, 0).T, mx(grad, 0))  # along M
+        return grad_x.astype(x.dtype), grad_w_t.astype(w_t.dtype)
+
+    matmul.defvjp(forward, backward)
+    return matmul(x, w_t)
+
+
 def float8_dot_general(
-    lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, recipe: Float8Recipe, out_dtype: Any
+    lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, recipe: Recipe, out_dtype: Any
 ) -> jax.Array:
-    """A batch-free ``dot_general`` as :func:`float8_linear` on its rows and columns."""
+    """A batch-free ``dot_general`` as :func:`float8_linear` (or :func:`mx_linear`) on its
+    rows and columns."""
     lhs_perm, rhs_perm, m, k, n = as_rows_and_columns(dimension_numbers, lhs.shape, rhs.shape)
     (lhs_contract, rhs_contract), _ = dimension_numbers
     x = jnp.transpose(lhs, lhs_perm).reshape(m, k)
     w_t = jnp.transpose(rhs, rhs_perm).reshape(k, n)
-    out = float8_linear(x, w_t, recipe, out_dtype)
+    if isinstance(recipe, MXRecipe):
+        out = mx_linear(x, w_t, recipe, out_dtype)
+    else:
+        out = float8_linear(x, w_t, recipe, out_dtype)
     lhs_free_shape = [lhs.shape[d] for d in lhs_perm[: len(lhs_perm) - len(lhs_contract)]]
     rhs_free_shape = [rhs.shape[d] for d in rhs_perm[len(rhs_contract) :]]
     return out.reshape(*lhs_free_shape, *rhs_free_shape)

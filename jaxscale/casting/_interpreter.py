@@ -75,7 +75,7 @@ from jaxscale._src.jaxprs import (
     name_stack_text,
 )
 from jaxscale.casting import _axes
-from jaxscale.casting._float8_matmul import Float8Recipe, float8_dot_general
+from jaxscale.casting._float8_matmul import Recipe, float8_dot_general
 from jaxscale.casting._float8_matmul import eligible as float8_eligible
 from jaxscale.casting._float32_gradients import dot_with_float32_gradients
 from jaxscale.casting._policy import Precision, is_registered, row_for
@@ -223,7 +223,7 @@ class Autocaster:
     def __init__(
         self,
         dtype: Any,
-        float8: Float8Recipe | None = None,
+        float8: Recipe | None = None,
         device_type: str = "cuda",
         *,
         grad_dtype: Any = None,
@@ -543,7 +543,7 @@ class Autocaster:
         return (
             self.float8 is not None
             and eqn.primitive.name == "dot_general"
-            and float8_eligible(eqn)
+            and float8_eligible(eqn, self.float8)
             and "transpose(" not in name_stack_text(eqn)
         )
 

@@ -1,0 +1,130 @@
+"""MXFP8 without PyTorch: ``quantize_mx``'s contract and errors, which matmuls the recipes
+take, the CUDA lowering, and which dtype a sharded weight's all-gather carries."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxscale
+
+BF16 = jnp.bfloat16
+
+
+def test_scales_are_powers_of_two_that_fit_each_block():
+    x = jax.random.normal(jax.random.key(0), (8, 256)) * 100
+    data, scale = jaxscale.quantize_mx(x)
+    assert data.dtype == jnp.float8_e4m3fn
+    assert scale.shape == (8, 8)
+    back = jaxscale.dequantize_mx(data, scale)
+    blocks = np.abs(np.asarray(x)).reshape(8, 8, 32).max(-1)
+    scales = np.asarray(scale.astype(jnp.float32))
+    assert np.all(np.log2(scales) == np.round(np.log2(scales)))
+    assert np.all(blocks / scales <= 448)  # RCEIL: the block's amax fits
+    np.testing.assert_allclose(back, x, rtol=2**-3, atol=float(scales.max()) * 2**-9)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: jaxscale.quantize_mx(jnp.ones(40)), "does not split into blocks of 32"),
+        (lambda: jaxscale.quantize_mx(jnp.ones(32, jnp.float16)), "float32 or bfloat16"),
+        (lambda: jaxscale.quantize_mx(jnp.ones(32), jnp.int8), "float8_e4m3fn or float8_e5m2"),
+        (lambda: jaxscale.quantize_mx(jnp.ones(32), scale_mode="even"), "'rceil' or 'floor'"),
+        (lambda: jaxscale.quantize_mx(jnp.ones((32, 32)), axis=2), "axis 2 is out of range"),
+        (lambda: jaxscale.quantize_mx(jnp.ones(32), block_size=0), "positive int"),
+    ],
+)
+def test_bad_arguments_are_named(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.parametrize(
+    ("lhs", "rhs", "taken"),
+    [((64, 64), (64, 96), True), ((48, 64), (64, 96), False), ((64, 64), (64, 80), False)],
+)
+def test_the_mx_recipes_take_matmuls_whose_sizes_are_multiples_of_32(lhs, rhs, taken):
+    fn = jaxscale.autocast(lambda a, b: a @ b, dtype=BF16, float8="mxfp8")
+    jaxpr = str(jax.make_jaxpr(fn)(jnp.ones(lhs), jnp.ones(rhs)))
+    assert ("float8_e4m3fn" in jaxpr) == taken
+
+
+def test_float8_takes_multiples_of_16_and_no_others():
+    # (24, 64) @ (64, 48): 24 is a multiple of 8, not of 16
+    fn = jaxscale.autocast(lambda a, b: a @ b, dtype=BF16, float8="tensorwise")
+    assert "float8" not in str(jax.make_jaxpr(fn)(jnp.ones((24, 64)), jnp.ones((64, 48))))
+    assert "float8" in str(jax.make_jaxpr(fn)(jnp.ones((32, 64)), jnp.ones((64, 48))))
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_wgrad_with_hp"])
+def test_an_mx_train_step_lowers_for_cuda_without_host_synchronisation(recipe):
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w.T).astype(jnp.float32) ** 2)
+
+    step = jax.grad(jaxscale.autocast(loss, dtype=BF16, float8=recipe), argnums=(0, 1))
+    report = jaxscale.lowering_report(step, jnp.ones((96, 64)), jnp.ones((128, 64)))
+    assert not report.syncs_with_host
+    assert report.loops == 0
+    # the operands are dequantized to bfloat16 and multiplied there (torchao's emulation)
+    assert report.matmul_dtypes == {"bf16 x bf16 -> bf16": 3}
+
+
+# -- sharded weights: which dtype the all-gather carries ----------------------------------------
+
+_SHARDED_STEP = """
+import json, os, pathlib, re, sys
+os.environ["XLA_FLAGS"] = (
+    "--xla_force_host_platform_device_count=8 --xla_dump_to={dump} "
+    "--xla_dump_hlo_pass_re=spmd-partitioning"
+)
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jaxscale
+
+mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+def loss(w, x):
+    return jnp.mean((x @ w.T).astype(jnp.float32) ** 2)
+w = jax.device_put(jnp.ones((128, 64)), NamedSharding(mesh, P("fsdp")))
+x = jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P("fsdp")))
+step = jax.jit(jax.grad(jaxscale.autocast(loss, dtype=jnp.bfloat16, float8={recipe!r})))
+step.lower(w, x).compile()
+found = []
+for path in pathlib.Path({dump!r}).glob("*after_spmd-partitioning*"):
+    found += re.findall(r"(\\w+)\\[[0-9,]*\\]{{[0-9,]*}} all-gather\\(", path.read_text())
+print(json.dumps(sorted(found)))
+"""
+
+
+def gathered_dtypes(recipe: str, dump: pathlib.Path) -> list[str]:
+    """The element types of the all-gathers XLA's SPMD partitioner writes for an FSDP
+    step (the weight sharded by rows over 8 devices): read from the partitioned HLO,
+    before XLA:CPU widens float8 collectives to float16 (a GPU does not)."""
+    script = _SHARDED_STEP.format(dump=str(dump), recipe=recipe)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_a_sharded_weight_is_gathered_in_float8_under_tensorwise(tmp_path):
+    # each shard is quantized with the all-reduced amax, and the gather moves float8
+    assert gathered_dtypes("tensorwise", tmp_path / "tensorwise") == ["f8e4m3fn", "f8e4m3fn"]
+
+
+def test_a_sharded_weight_is_gathered_dequantized_under_mxfp8(tmp_path):
+    # MX blocks run along the unsharded axis, so each shard quantizes alone; the
+    # emulation then multiplies dequantized bfloat16 operands, and XLA gathers those
+    assert gathered_dtypes("mxfp8", tmp_path / "mxfp8") == ["bf16", "bf16"]
+
+
+def test_the_gather_pattern_reads_dumped_hlo():
+    line = "%ag = f8e4m3fn[64,64]{1,0} all-gather(%x), replica_groups={{0,1}}"
+    assert re.findall(r"(\w+)\[[0-9,]*\]{[0-9,]*} all-gather\(", line) == ["f8e4m3fn"]
