@@ -111,10 +111,16 @@ def torchao_mx_linear(x, w, g, wgrad_with_hp):
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_wgrad_with_hp"])
 def test_a_linear_layer_is_torchaos_mxfp8_linear(recipe):
     rng = np.random.default_rng(2)
-    # bfloat16 values, so that both quantize the same numbers
-    x = rng.standard_normal((64, 128)).astype(jnp.bfloat16).astype(np.float32)
-    w = (rng.standard_normal((96, 128)) * 0.1).astype(jnp.bfloat16).astype(np.float32)
-    g = rng.standard_normal((64, 96)).astype(jnp.bfloat16).astype(np.float32)
+
+    def operand(rows, columns):
+        # bfloat16 values (both libraries quantize the same numbers), whose magnitudes
+        # vary by powers of two along both axes, so that blocks along one axis have other
+        # scales than blocks along the other
+        values = rng.standard_normal((rows, columns))
+        values *= 2.0 ** rng.integers(-6, 7, (rows, 1)) * 2.0 ** rng.integers(-6, 7, (1, columns))
+        return values.astype(jnp.bfloat16).astype(np.float32)
+
+    x, w, g = operand(64, 128), operand(96, 128), operand(64, 96)
     expected = torchao_mx_linear(x, w, g, recipe == "mxfp8_wgrad_with_hp")
 
     layer = jaxscale.autocast(lambda x, w: x @ w.T, dtype=jnp.bfloat16, float8=recipe)
