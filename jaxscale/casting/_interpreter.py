@@ -160,6 +160,13 @@ def is_floating(dtype: Any) -> bool:
         return False
 
 
+def _is_complex(dtype: Any) -> bool:
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.complexfloating))
+    except TypeError:
+        return False
+
+
 def cast(value: Any, dtype: Any) -> Any:
     """``value`` in ``dtype``; unchanged (the same object) when it already is."""
     if value.dtype == dtype:
@@ -421,6 +428,11 @@ class Autocaster:
             )
         if name == "sub" and Tag.STABILIZER in in_tags[1] and self.device_type == "cuda":
             precision = Precision.FLOAT32  # softmax's x - max(x): the op runs in float32
+        if precision is Precision.LOWER and any(_is_complex(v.dtype) for v in invals):
+            # PyTorch's autocast leaves complex matmuls alone: every operand as traced (a
+            # real operand of a complex matmul back to its traced float32), never a
+            # float16 x complex64 product
+            precision = Precision.AS_TRACED
 
         if precision is Precision.AS_TRACED:
             invals = [

@@ -19,7 +19,10 @@ from typing import Any
 import jax
 
 _DEFINITION = re.compile(r"^\s*(%[\w#:]+)\s*=\s*(\"?[\w.]+\"?)(.*)$")
-_TENSOR = re.compile(r"tensor<([^>]*)>")
+# the dimensions that lead a tensor type (``4x8x``; none for a scalar): always matches
+_DIMENSIONS = re.compile(r"^(?:\d+x)*")
+# a tensor type, whose element type may itself have angle brackets (complex<f32>)
+_TENSOR = re.compile(r"tensor<((?:[^<>]|<[^<>]*>)*)>")
 _SUM = re.compile(r"stablehlo\.reduce\(.*applies stablehlo\.add across dimensions = \[([\d, ]*)\]")
 _CUSTOM_CALL = re.compile(r"stablehlo\.custom_call @\"?([^\"(\s]+)\"?\(")
 _HOST_OPS = ("stablehlo.send", "stablehlo.recv", "stablehlo.infeed", "stablehlo.outfeed")
@@ -162,23 +165,32 @@ def analyse_stablehlo(module: str) -> LoweringReport:
         if "stablehlo.dot_general" in line or "stablehlo.convolution" in line:
             tensors = _TENSOR.findall(line)
             if tensors:
-                kinds = [t.split("x")[-1] for t in tensors]
+                kinds = [_element_type(t) for t in tensors]
                 matmuls[" x ".join(kinds[:2]) + " -> " + kinds[-1]] += 1
         summed = _SUM.search(line)
         if summed:
             operand = _TENSOR.findall(line)[0]
-            sizes = [int(d) for d in operand.split("x")[:-1]]
+            sizes = _dimensions(operand)
             axes = [int(a) for a in summed.group(1).split(",") if a.strip()]
             if math.prod(sizes[a] for a in axes) > 1:
-                sums[operand.split("x")[-1]] += 1
+                sums[_element_type(operand)] += 1
     return LoweringReport(
         loops, data_cases, constant_cases, host, converts, converted, dict(matmuls), dict(sums)
     )
 
 
+def _dimensions(tensor: str) -> list[int]:
+    """``4x8xf16`` -> [4, 8]; ``complex<f32>`` -> []."""
+    return [int(d) for d in re.findall(r"(\d+)x", tensor[: _DIMENSIONS.match(tensor).end()])]  # type: ignore[union-attr]
+
+
+def _element_type(tensor: str) -> str:
+    """``4x8xf16`` -> ``f16``; ``4xcomplex<f32>`` -> ``complex<f32>``."""
+    return tensor[_DIMENSIONS.match(tensor).end() :]  # type: ignore[union-attr]
+
+
 def _elements(tensor: str) -> int:
-    dims = [d for d in tensor.split("x")[:-1] if d]
-    return math.prod(int(d) for d in dims) if dims else 1
+    return math.prod(_dimensions(tensor))
 
 
 def _is_constant_case(lines: list[str], start: int, constants: set[str]) -> bool:

@@ -180,3 +180,58 @@ def test_a_linear_layer_matches_torchaos_float8_linear(recipe, seed):
     for name, got, want in zip(("output", "grad_input", "grad_weight"), ours, theirs, strict=True):
         scale = np.max(np.abs(want))
         np.testing.assert_allclose(got, want, rtol=TOLERANCE, atol=TOLERANCE * scale, err_msg=name)
+
+
+def test_the_float8_product_is_rescaled_as_cublas_does():
+    # The float32 product of the float8 operands times (1/scale_a)·(1/scale_b), each
+    # inverse rounded to float32 and their product too: cuBLAS's scaled-matmul epilogue,
+    # what torch._scaled_mm runs on a GPU. Operands whose products sum exactly in any
+    # order leave the rescale as the only rounding. (torch's CPU _scaled_mm instead
+    # scales each operand first, (a·ia) @ (b·ib): it differs in the last bit of about
+    # 70% of these results; a GPU computes the epilogue.)
+    from jaxscale.casting._float8_matmul import RECIPES, _mm
+
+    rng = np.random.default_rng(11)
+
+    def operand(shape, magnitude):
+        # float8 codes of 112 to 448 after scaling (every code's lowest bit at 2**3 or
+        # above): K = 16 products sum exactly in float32
+        values = rng.choice([-1.0, 1.0], shape) * rng.uniform(0.25, 1.0, shape)
+        values.flat[0] = 1.0
+        return (values * magnitude).astype(np.float32)
+
+    mismatched_by_division = 0
+    for _ in range(10):
+        a, b = operand((32, 16), rng.uniform(0.1, 10)), operand((16, 48), rng.uniform(0.1, 10))
+        recipe = RECIPES["tensorwise"]
+        ours = np.asarray(_mm(jnp.asarray(a), jnp.asarray(b), recipe.input, recipe.weight,
+                              recipe, jnp.float32))  # fmt: skip
+        a8, scale_a = jaxscale.quantize_float8(jnp.asarray(a))
+        b8, scale_b = jaxscale.quantize_float8(jnp.asarray(b))
+        a_t = torch.from_numpy(np.array(a8).view(np.uint8)).view(torch.float8_e4m3fn).float()
+        b_t = torch.from_numpy(np.array(b8).view(np.uint8)).view(torch.float8_e4m3fn).float()
+        inverse_a = torch.tensor(float(scale_a)).reciprocal()
+        inverse_b = torch.tensor(float(scale_b)).reciprocal()
+        product = a_t.double() @ b_t.double()  # exact
+        assert torch.equal(product.float().double(), product)
+        expected = (product.float() * (inverse_a * inverse_b)).numpy()
+        np.testing.assert_array_equal(ours, expected)
+        divided = (product.float() / (torch.tensor(float(scale_a)) * float(scale_b))).numpy()
+        mismatched_by_division += int(np.sum(divided != expected))
+    assert mismatched_by_division > 0  # the test can tell the two rescales apart
+
+
+def test_power_of_two_scales_at_the_boundary_where_float32_log2_rounds_up():
+    # amax a few ulps above 28 makes a scale a few ulps below 16 (448 / 28): torchao's
+    # float32 log2 of it rounds to 4.0 for the first ones, so the scale is 16, and 8 after
+    # them. Every amax from 28 up to 40 ulps above, one row each.
+    steps = np.arange(0, 41, dtype=np.int32)
+    amax = (np.float32(28.0).view(np.int32) + steps).view(np.float32)
+    x = np.zeros((steps.size, 16), np.float32)
+    x[:, 0] = amax
+    for power_of_2 in (True, False):
+        _, expected = torchao_quantize(x, jnp.float32, jnp.float8_e4m3fn, -1, power_of_2)
+        _, ours = jaxscale.quantize_float8(jnp.asarray(x), axis=-1, power_of_2=power_of_2)
+        np.testing.assert_array_equal(np.asarray(ours).reshape(-1), expected.reshape(-1))
+    rounded = np.asarray(jaxscale.quantize_float8(jnp.asarray(x), axis=-1, power_of_2=True)[1])
+    assert set(rounded.reshape(-1).tolist()) == {16.0, 8.0}  # both sides of the boundary

@@ -8,6 +8,7 @@ marked ``# <- origin``, the loop iteration, the kind and the dtype.
 from __future__ import annotations
 
 import inspect
+import os
 
 import jax
 import jax.numpy as jnp
@@ -23,11 +24,13 @@ F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 
 
 def line_of(fn, marker="# <- origin"):
-    """``test_locate_nonfinite.py:LINE`` of the line of ``fn``'s source holding ``marker``."""
+    """``tests/diagnosis/test_locate_nonfinite.py:LINE`` (run from the repository root):
+    the line of ``fn``'s source holding ``marker``."""
     lines, first = inspect.getsourcelines(fn)
     found = [first + i for i, text in enumerate(lines) if marker in text]
     assert len(found) == 1, found
-    return f"test_locate_nonfinite.py:{found[0]}"
+    # the path as jaxscale shows a user's file: relative to the working directory
+    return f"{os.path.relpath(__file__)}:{found[0]}"
 
 
 def located(fn, *args, jit=True):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,8 @@ def line_of(fn, marker="# <- measured"):
     lines, first = inspect.getsourcelines(fn)
     found = [first + i for i, text in enumerate(lines) if marker in text]
     assert len(found) == 1
-    return f"test_precision_stats.py:{found[0]}"
+    # the path as jaxscale shows a user's file: relative to the working directory
+    return f"{os.path.relpath(__file__)}:{found[0]}"
 
 
 def values(stats):
