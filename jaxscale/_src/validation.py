@@ -131,3 +131,20 @@ def init_scale_within(init_scale: Any, low: float | None, high: float | None) ->
     if high is not None and number > high:
         raise ValueError(f"init_scale must be <= max_scale={high!r}, got {number!r}")
     return number
+
+
+def optimizer_problem(inner: Any, wrapper: str) -> TypeError | None:
+    """Why ``inner`` is not an Optax optimizer a ``wrapper`` can wrap (``None`` if it is):
+    a factory passed uncalled (``optax.adam`` for ``optax.adam(1e-3)``) is named."""
+    if callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None)):
+        return None
+    if callable(inner):
+        name = getattr(inner, "__qualname__", getattr(inner, "__name__", repr(inner)))
+        return TypeError(
+            f"{wrapper} wraps an Optax optimizer, got the function {name}: call it first, "
+            f"e.g. jaxscale.{wrapper}(optax.adamw(1e-3))"
+        )
+    return TypeError(
+        f"{wrapper} wraps an Optax optimizer (an object with init and update), got "
+        f"{type(inner).__name__} {inner!r}"
+    )

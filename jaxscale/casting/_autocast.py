@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import typing
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
@@ -153,10 +154,22 @@ def autocast(
     if fn is None:
         return _Decorator(device_type, dtype, enabled, recipe, gradients)
     if isinstance(fn, str):
+        if fn in ("cuda", "cpu", "xpu", "mps", "hpu", "xla"):
+            raise TypeError(
+                f"autocast's first argument is the function to transform, got {fn!r}: "
+                f'PyTorch\'s torch.autocast("{fn}") is jaxscale.autocast(fn, '
+                f'device_type="{fn}"), or @jaxscale.autocast(device_type="{fn}") on the function'
+            )
         raise TypeError(
-            f"autocast's first argument is the function to transform, got {fn!r}: PyTorch's "
-            f'torch.autocast("{fn}") is jaxscale.autocast(fn, device_type="{fn}"), or '
-            f'@jaxscale.autocast(device_type="{fn}") on the function'
+            f"autocast's first argument is the function to transform, got the string {fn!r}: "
+            "pass the function itself, jaxscale.autocast(loss_fn)"
+        )
+    if _is_a_dtype(fn):
+        name = np.dtype(typing.cast(Any, fn)).name
+        raise TypeError(
+            f"autocast's first argument is the function to transform, got the dtype {name}: "
+            f"write jaxscale.autocast(fn, dtype=jnp.{name}), or "
+            f"@jaxscale.autocast(dtype=jnp.{name}) on the function"
         )
     if not callable(fn):
         raise TypeError(f"autocast expects a callable, got {type(fn).__name__} {fn!r}")
@@ -224,6 +237,18 @@ def _run(
         for out, dtype, threaded in zip(outs[:count], traced, call.threaded_outputs, strict=True)
     ]
     return call.finish([*results, *cast_floating(outs[count:], call.state_dtypes)])
+
+
+def _is_a_dtype(value: Any) -> bool:
+    """A dtype or scalar type (``jnp.float16``, ``np.dtype("bfloat16")``), which is
+    callable and so could pass for the function to transform."""
+    if not isinstance(value, type | np.dtype):
+        return False
+    try:
+        np.dtype(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _validated_grad_dtype(grad_dtype: Any) -> np.dtype | None:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 from flax.training import train_state
@@ -183,19 +184,46 @@ class OptaxAdapter(Adapter):
         if len(args) != 3:
             raise _usage_error(self.name, self.usage)
         grads, opt_state, params = args
-        updates, opt_state = optimizer.update(grads, opt_state, params, **kwargs)
-        return optax.apply_updates(params, updates), opt_state
+        arrays, others = _arrays_and_others(params)
+        updates, opt_state = optimizer.update(grads, opt_state, arrays, **kwargs)
+        return _combined(optax.apply_updates(arrays, updates), others), opt_state
 
     def step_unless(
         self, found_inf: jax.Array, optimizer: Any, args: Args, kwargs: Kwargs, prepare: Prepare
     ) -> Any:
         grads, opt_state, params = args
+        arrays, others = _arrays_and_others(params)
 
         def update(carry: tuple[Any, Any]) -> tuple[Any, Any]:
-            params, opt_state = carry
-            return self.step(optimizer, (prepare(grads), opt_state, params), kwargs)
+            arrays, opt_state = carry
+            return self.step(optimizer, (prepare(grads), opt_state, arrays), kwargs)
 
-        return run_unless(found_inf, update, (params, opt_state))
+        arrays, opt_state = run_unless(found_inf, update, (arrays, opt_state))
+        return _combined(arrays, others), opt_state
+
+
+def _is_array(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array | np.ndarray | np.generic)
+
+
+def _arrays_and_others(params: Any) -> tuple[Any, Any]:
+    """``params`` split, as ``equinox.partition(params, equinox.is_array)`` splits a model:
+    a tree of its arrays (``None`` elsewhere) and a tree of its other leaves (an Equinox
+    model's activation functions and static fields), ``None`` where there is none."""
+    leaves = jax.tree.leaves(params)
+    if all(_is_array(leaf) for leaf in leaves):
+        return params, None
+    arrays = jax.tree.map(lambda leaf: leaf if _is_array(leaf) else None, params)
+    others = jax.tree.map(lambda leaf: None if _is_array(leaf) else leaf, params)
+    return arrays, others
+
+
+def _combined(arrays: Any, others: Any) -> Any:
+    if others is None:
+        return arrays
+    return jax.tree.map(
+        lambda a, o: o if a is None else a, arrays, others, is_leaf=lambda node: node is None
+    )
 
 
 _ADAPTERS: list[tuple[Callable[[Any], bool], Adapter]] = [

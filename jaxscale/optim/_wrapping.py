@@ -10,22 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxscale._src import validation
+
 
 def validated_inner(inner: Any, transform: str) -> optax.GradientTransformationExtraArgs:
     """``inner`` as an Optax transform that accepts extra arguments; a clear error for a
     factory passed uncalled (``optax.adam`` for ``optax.adam(1e-3)``) or anything else."""
-    if callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None)):
-        return optax.with_extra_args_support(inner)
-    if callable(inner):
-        name = getattr(inner, "__qualname__", getattr(inner, "__name__", repr(inner)))
-        raise TypeError(
-            f"{transform} wraps an Optax optimizer, got the function {name}: call it first, "
-            f"e.g. jaxscale.{transform}(optax.adamw(1e-3))"
-        )
-    raise TypeError(
-        f"{transform} wraps an Optax optimizer (an object with init and update), got "
-        f"{type(inner).__name__} {inner!r}"
-    )
+    problem = validation.optimizer_problem(inner, transform)
+    if problem is not None:
+        raise problem
+    return optax.with_extra_args_support(inner)
 
 
 def require_params(params: Any, transform: str) -> None:

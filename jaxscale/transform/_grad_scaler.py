@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -151,6 +153,9 @@ def grad_scaler(
     >>> params["w"], float(jaxscale.get_scale(opt_state))
     (Array([ 0.8, -1.6], dtype=float32), 1024.0)
     """
+    problem = validation.optimizer_problem(inner, "grad_scaler")
+    if problem is not None:
+        raise problem
     inner = optax.with_extra_args_support(inner)
     rule = ScaleUpdateRule(
         growth_factor=growth_factor,
@@ -179,6 +184,7 @@ def grad_scaler(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, GradScalerState]:
+        _require_own_state(state)
         if state.scaler is None:
             raise ValueError(
                 "this grad_scaler is enabled but was given the state of a disabled one "
@@ -199,7 +205,7 @@ def grad_scaler(
             return inner.update(unscale(grads, inv_scale), inner_state, params, **extra_args)
 
         # A skipped step emits -0.0 updates and keeps the inner state exactly as it was.
-        with noted_on_failure(mismatch):
+        with noted_on_failure(mismatch), _state_of_other_parameters_named():
             new_updates, new_inner_state = update_unless(
                 found_inf, inner_update, updates, state.inner_state
             )
@@ -213,6 +219,31 @@ def grad_scaler(
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _require_own_state(state: Any) -> None:
+    if not isinstance(state, GradScalerState):
+        raise TypeError(
+            f"grad_scaler's update was given a {type(state).__name__}, not the state its init "
+            "returns: initialise with tx = jaxscale.grad_scaler(inner); opt_state = "
+            "tx.init(params), and pass that opt_state (inner's own state is its inner_state)"
+        )
+
+
+@contextlib.contextmanager
+def _state_of_other_parameters_named() -> Iterator[None]:
+    """JAX's pytree-structure error from inside the optimizer, which means its state was
+    built for other parameters, said in those words (JAX's message kept below)."""
+    try:
+        yield
+    except ValueError as error:
+        if "pytree structure" not in str(error) and "tree structure" not in str(error):
+            raise
+        raise ValueError(
+            "the optimizer state does not fit these gradients and parameters: it was built "
+            "by init for parameters of another structure. Initialise it with the parameters "
+            f"you train: opt_state = tx.init(params). (JAX: {str(error).splitlines()[0]})"
+        ) from error
 
 
 def _passthrough(
@@ -229,6 +260,7 @@ def _passthrough(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, GradScalerState]:
+        _require_own_state(state)
         updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
         return updates, state._replace(inner_state=inner_state)
 

@@ -1,6 +1,6 @@
 """Every bad input jaxscale is tested with, what the user sees, and that nothing changed.
 
-``CASES`` is the catalogue behind the README's table "Bad input: what you see":
+``CASES`` is the catalogue behind the errors guide's table "Bad input: what you see":
 each row there is one case here, and ``test_readme_table_lists_every_case`` keeps
 the two equal. A rejected call must raise the documented error and leave the
 scaler, the model, the optimizer state and the parameters bitwise as they were;
@@ -90,7 +90,7 @@ NOTED = " (a note on the optimizer's own error)"
 @dataclasses.dataclass(frozen=True)
 class Case:
     area: str
-    call: str  # what the user writes, as shown in the README
+    call: str  # what the user writes, as shown in docs/errors.md
     error: type[Exception] | None  # None: the input is accepted
     sees: str  # the message (a fragment of it), or what happens when accepted
     run: Callable[[World], Any]
@@ -410,10 +410,10 @@ def test_a_good_state_dict_is_accepted_after_a_rejected_one():
     assert world.scaler.state_dict() == _good_dict()
 
 
-def test_readme_table_lists_every_case():
-    readme = (paths.ROOT / "README.md").read_text()
-    block = readme.split("<!-- bad-input-table -->")[1].strip().splitlines()
+def test_the_errors_guides_table_lists_every_case():
+    guide = (paths.ROOT / "docs" / "errors.md").read_text()
+    block = guide.split("<!-- bad-input-table -->")[1].strip().splitlines()
     table = block[: next(i for i, line in enumerate(block) if not line.startswith("|"))]
     rows = table[2:]  # below the header and its rule
     expected = [case.row for case in CASES]
-    assert rows == expected, "README table out of date; expected:\n" + "\n".join(expected)
+    assert rows == expected, "docs/errors.md table out of date; expected:\n" + "\n".join(expected)

@@ -42,20 +42,30 @@ def test_docstring_examples_run(module_name):
     assert runner.failures == 0, f"{runner.failures} docstring example(s) failed in {module_name}"
 
 
-def readme_python_blocks():
-    text = (ROOT / "README.md").read_text()
+DOC_PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
+
+
+def python_blocks(page: str) -> list[str]:
+    text = (ROOT / page).read_text()
     return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
 
 
-def test_readme_has_python_examples():
-    assert len(readme_python_blocks()) >= 1
+BLOCKS = [(page, index) for page in DOC_PAGES for index in range(len(python_blocks(page)))]
 
 
-@pytest.mark.parametrize("index", range(len(readme_python_blocks())))
-def test_readme_python_blocks_run(index, capsys):
-    # README code is user code: it runs under JAX's default (standard) promotion.
+def test_the_readme_and_the_guides_have_python_examples():
+    assert len(python_blocks("README.md")) >= 1
+    assert len(BLOCKS) >= 20
+
+
+@pytest.mark.parametrize(("page", "index"), BLOCKS, ids=[f"{p}-{i}" for p, i in BLOCKS])
+def test_every_python_block_of_the_readme_and_the_docs_runs(page, index, capsys, tmp_path,
+                                                             monkeypatch):  # fmt: skip
+    # documented code is user code: it runs under JAX's default (standard) promotion, in
+    # a folder of its own (a block may write a checkpoint or a plot)
+    monkeypatch.chdir(tmp_path)
     with third_party.standard_promotion():
-        exec(compile(readme_python_blocks()[index], f"README.md block {index}", "exec"), {})
+        exec(compile(python_blocks(page)[index], f"{page} block {index}", "exec"), {})
 
 
 def test_the_api_reference_lists_every_public_name():
@@ -64,14 +74,25 @@ def test_the_api_reference_lists_every_public_name():
     assert documented == set(jaxscale.__all__) - {"__version__"}
 
 
-def test_the_readme_gives_one_command_that_builds_the_docs():
+def test_the_development_guide_gives_one_command_that_builds_the_docs():
     assert (
         'pip install -e ".[docs]" && sphinx-build -W -b html docs docs/_build/html'
-        in (ROOT / "README.md").read_text()
+        in (ROOT / "docs" / "development.md").read_text()
+    )
+    assert "docs/development.md" in (ROOT / "README.md").read_text()
+
+
+def test_the_readme_is_a_front_door():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    for page in ("autocast", "float8", "low_precision", "loss_scaling", "diagnosis", "porting"):
+        assert f"(docs/{page}.md)" in readme, page
+    assert "{include} ../README.md" not in "".join(
+        (ROOT / "docs" / p).read_text() for p in [p.name for p in (ROOT / "docs").glob("*.md")]
     )
 
 
-# The README's measured tables are the files the example writes, copied verbatim: each
+# The guides' measured tables are the files the example writes, copied verbatim: each
 # names the command that wrote it, and this keeps the two from drifting apart.
 MEASURED_TABLES = {
     "examples/figures/precision_comparison.md": (
@@ -87,8 +108,9 @@ MEASURED_TABLES = {
 
 
 @pytest.mark.parametrize("path", sorted(MEASURED_TABLES))
-def test_the_readmes_measured_tables_are_the_files_their_command_wrote(path):
-    readme = (ROOT / "README.md").read_text()
+def test_the_guides_measured_tables_are_the_files_their_command_wrote(path):
+    readme = "\n".join((ROOT / "docs" / p).read_text() for p in sorted(
+        q.name for q in (ROOT / "docs").glob("*.md")))  # fmt: skip
     table = (ROOT / path).read_text().strip()
     # the README may indent a table inside a list item
     readme_lines = [line.strip() for line in readme.splitlines()]
@@ -96,23 +118,23 @@ def test_the_readmes_measured_tables_are_the_files_their_command_wrote(path):
     starts = [
         i for i in range(len(readme_lines)) if readme_lines[i : i + len(table_lines)] == table_lines
     ]
-    assert starts, f"README.md does not contain {path} as written"
+    assert starts, f"no page of docs/ contains {path} as written"
     assert f"`{MEASURED_TABLES[path]}`" in " ".join(readme.split())  # a command may wrap
     assert len(table_lines) > 2  # a header, its rule and rows
 
 
-def test_the_cores_public_names_are_documented_and_the_readmes_core_table_is_in_them():
+def test_the_cores_public_names_are_documented_and_the_guides_core_table_is_in_them():
     import jaxscale.core as core
 
     undocumented = [
         name for name in core.__all__ if name != "AxisName" and not getattr(core, name).__doc__
     ]
     assert undocumented == []
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "loss_scaling.md").read_text()
     section = readme[readme.index("Core (pure, jittable functions") :]
     section = section[: section.index("\n\n", section.index("|"))]
     tabled = set(re.findall(r"^\| `(\w+)\(", section, flags=re.MULTILINE))
-    assert tabled, "the README's core table was not found"
+    assert tabled, "the loss-scaling guide's core table was not found"
     assert tabled <= set(core.__all__)
     # helpers shared between layers are not part of it
     assert not {"validation", "unscale", "require_matching", "scaler_metrics"} & set(dir(core))
