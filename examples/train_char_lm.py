@@ -93,9 +93,12 @@ def summary_table(config: char_lm.Config, history: char_lm.History, summary: dic
 def main(argv: list[str] | None = None) -> dict[str, float]:
     defaults = char_lm.Config()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--precision", choices=char_lm.PRECISIONS, default=defaults.precision)
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size,
+                        help="sequences per step (on this device)")  # fmt: skip
+    parser.add_argument("--precision", choices=char_lm.PRECISIONS, default=defaults.precision,
+                        help="the compute precision: float32, or autocast's dtype or "
+                             "float8 recipe")  # fmt: skip
     parser.add_argument(
         "--no-scaler", action="store_true", help="train float16 without loss scaling"
     )
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"  train loss (last 50) {summary['train_loss']:.4f} nats/char")
     print(f"  validation loss      {summary['val_loss']:.4f} nats/char")
     print(f"  validation accuracy  {summary['val_accuracy']:.2%} of next characters")
-    print(f"  loss scale           {summary['final_scale']:g} at the end")
+    print(f"  loss scale           {_power_of_two(summary['final_scale'])} at the end")
     print(f"  skipped steps        {int(summary['skipped_steps'])} of {config.steps}")
     for step, origin in history.origins.items():  # from jaxscale.locate_nonfinite
         print(f"    step {step:4d}: {origin}")
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"  table                {table}")
     if args.sample:
         text = char_lm.sample(model, dataset, "The ", args.sample, config.seq_len)
-        print("\nSample:\n" + text)
+        print(f'\nSample ({args.sample} characters the model wrote after "The "):\n' + text)
     return summary
 
 
