@@ -45,3 +45,5 @@ doctest_global_setup = "import jax, jax.numpy as jnp, optax, jaxscale"
 html_theme = "furo"
 html_title = f"jaxscale {release}"
 suppress_warnings = ["myst.header"]  # README sections start below its top heading
+html_static_path = ["_static"]
+html_css_files = ["tables.css"]  # code in table cells wraps, so wide tables fit the page
