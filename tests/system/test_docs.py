@@ -101,6 +101,13 @@ MEASURED_TABLES = {
     "examples/figures/float8_comparison.md": (
         "python examples/compare_precisions.py --float8 --devices 1"
     ),
+    "examples/figures/low_precision.md": (
+        "python examples/compare_low_precision.py --plot examples/figures/low_precision.png"
+    ),
+    "examples/figures/low_precision_lr3e-4.md": (
+        "python examples/compare_low_precision.py --learning-rate 3e-4 --plot "
+        "examples/figures/low_precision_lr3e-4.png"
+    ),
     "examples/figures/char_lm_training.md": (
         "python examples/train_char_lm.py --plot examples/figures/char_lm_training.png"
     ),
