@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[Result]]:
     for (recipe, name), r in zip(names.items(), results, strict=True):
         seconds, matmuls = compiles[recipe]
         compiled.append(Result(name, seconds, seconds / base, [seconds]))
-        print(f"{name}: {flops / r.seconds / 1e12:.0f} TFLOP/s of linear-layer matmuls, "
+        print(f"{name}: {flops / r.seconds / 1e12:.3g} TFLOP/s of linear-layer matmuls, "
               f"{matmuls} matmuls on float8 operands in the compiled step")  # fmt: skip
     print()
     print(table(compiled, unit="ms", per="compile"), flush=True)

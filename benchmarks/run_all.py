@@ -24,8 +24,10 @@ from benchmarks import (
     compile_time,
     counts,
     diagnosis_step,
+    float8_step,
     lowering,
     memory_bound_step,
+    optimizer_state,
     optimizer_step,
     train_step,
     unscale_throughput,
@@ -68,6 +70,16 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
     emit("Train steps lowered for cuda, rocm, tpu and cpu (jax.export, no device needed)", text)
     if args.gpu_lowering:
         return _write(sections, "lowering")
+
+    # float8 and MX against bfloat16: matmul-bound sizes on an accelerator, small on a CPU
+    sizes = ["--width", "512", "--tokens", "2048", "--layers", "2"]
+    if jax.default_backend() != "cpu":
+        sizes = ["--width", "4096", "--tokens", "8192", "--layers", "4"]
+    recipes = ["--recipes", *float8_step.RECIPES, "mxfp8", "mxfp8_wgrad_with_hp"]
+    _, text = capture(float8_step.main, [*sizes, *recipes, "--repeats", str(args.repeats)])
+    emit("Float8 and MX recipes against bfloat16", text)
+    _, text = capture(optimizer_state.main, ["--layout", "10M/50", "--repeats", str(args.repeats)])
+    emit("Low-precision parameters and optimizer state, 10M/50", text)
 
     layouts = optimizer_step.main(
         ["--layouts", *args.layouts, "--repeats", str(args.repeats), "--torch", args.torch]
