@@ -93,11 +93,10 @@ def _write(held: Any, value: Any) -> None:
         raise RuntimeError(
             "GradScaler.update() cannot record the new scale: the scaler was created outside "
             "the function being traced (jax.jit, jax.grad, ...) and is used inside it without "
-            "being passed in. Pass it in as an argument: with nnx.jit, "
-            "`train_step(model, optimizer, scaler, x, y)` (nnx.jit carries the new scale "
-            "back); with jax.jit, pass it and return it, "
-            "`params, opt_state, scaler = step(params, opt_state, scaler, batch)`. "
-            "Nothing was changed."
+            "being passed in. Pass the scaler to the jitted function and return it: with "
+            "jax.jit, `params, opt_state, scaler = step(params, opt_state, scaler, batch)`; "
+            "with nnx.jit, pass it in, `train_step(model, optimizer, scaler, x, y)`, and "
+            "nnx.jit carries the new scale back. Nothing was changed."
         ) from error
 
 
@@ -119,7 +118,7 @@ def _device_kind(device: Any) -> str:
             "GradScaler takes no optimizer: pass it to scaler.step(optimizer, ...) at each "
             "step, or wrap an Optax optimizer as jaxscale.grad_scaler(optax.adam(...))"
         )
-    if isinstance(device, int | float) and not isinstance(device, bool):
+    if isinstance(device, float):
         raise TypeError(
             f"GradScaler's first argument is device, as in PyTorch, got the number {device!r}: "
             f"for the initial scale write GradScaler(init_scale={float(device)!r})"

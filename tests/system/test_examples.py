@@ -28,6 +28,7 @@ def test_every_example_is_covered():
     covered = {
         "train_char_lm",
         "compare_precisions",
+        "compare_low_precision",
         "linen_train_state",
         "clip_gradients",
         "pytorch_side_by_side",
@@ -88,6 +89,15 @@ def test_flagship_flags(tmp_path):
         ],
     )
     assert summary["final_scale"] == 1.0
+
+
+@pytest.mark.slow
+def test_low_precision_comparison(tmp_path):
+    report = run("compare_low_precision", ["--steps", "8", "--plot", str(tmp_path / "d.png")])
+    assert report.count("\n") == 6  # header, rule, five settings
+    assert "bfloat16, float32 master weights" in report
+    assert (tmp_path / "d.png").exists()
+    assert (tmp_path / "d.md").read_text().strip() == report
 
 
 @pytest.mark.slow
