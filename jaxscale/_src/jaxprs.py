@@ -29,7 +29,8 @@ import contextlib
 import functools
 import inspect
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -93,6 +94,93 @@ def called_program(eqn: Any) -> tuple[Any, Sequence[Any]]:
     return program, ()
 
 
+def parameters(eqn: Any) -> Mapping[str, Any]:
+    """An equation's parameters by name, read-only: what a rule takes as keyword arguments."""
+    return MappingProxyType(eqn.params)
+
+
+def parameters_to_bind(eqn: Any, **changes: Any) -> dict[str, Any]:
+    """A copy of an equation's parameters with ``changes``, to bind it again with."""
+    return {**eqn.params, **changes}
+
+
+def scan_operand_groups(
+    params: Mapping[str, Any], values: Sequence[Any]
+) -> tuple[list[Any], list[Any], list[Any]]:
+    """A scan's operands (or its body's inputs, or anything in their order) split as
+    ``(consts, carry, xs)`` by the scan's ``params``.
+
+    JAX up to 0.11 records the group sizes as ``num_consts``/``num_carry``; later
+    versions record a flat tree, ``ft_in``, that splits them.
+    """
+    if "ft_in" in params:
+        consts, carry, xs = params["ft_in"].update(list(values)).unpack()
+        return list(consts), list(carry), list(xs)
+    num_consts, num_carry = params["num_consts"], params["num_carry"]
+    values = list(values)
+    return (
+        values[:num_consts],
+        values[num_consts : num_consts + num_carry],
+        values[num_consts + num_carry :],
+    )
+
+
+def shard_map_manual_axes(params: Mapping[str, Any]) -> set[Any]:
+    """The mesh axes a ``shard_map`` equation makes manual, under the name its JAX
+    version records them by (``newly_manual_axes``, ``manual_axes`` or ``axis_names``)."""
+    key = next(k for k in ("newly_manual_axes", "manual_axes", "axis_names") if k in params)
+    return set(params[key])
+
+
+def shard_map_checks_varying(params: Mapping[str, Any]) -> bool:
+    """Whether a ``shard_map`` equation checks which values vary across devices
+    (``check_vma``; ``check_rep`` in JAX before 0.7)."""
+    return bool(params.get("check_vma", params.get("check_rep", True)))
+
+
+def dot_dimension_numbers(eqn: Any) -> Any:
+    """A ``dot_general``'s ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``."""
+    return eqn.params["dimension_numbers"]
+
+
+def preferred_element_type(eqn: Any) -> Any:
+    """The result dtype a ``dot_general`` or convolution was asked for, or ``None``."""
+    return eqn.params.get("preferred_element_type")
+
+
+def convolution_output_feature_axis(eqn: Any) -> int:
+    """The output axis of a ``conv_general_dilated`` that holds its features."""
+    numbers = eqn.params.get("dimension_numbers")
+    return 1 if numbers is None else int(numbers.out_spec[1])
+
+
+def broadcast_dimensions(eqn: Any) -> tuple[int, ...]:
+    """The output axes a ``broadcast_in_dim``'s operand axes become, in order."""
+    return tuple(eqn.params["broadcast_dimensions"])
+
+
+def transpose_permutation(eqn: Any) -> tuple[int, ...]:
+    """A ``transpose``'s permutation: output axis ``i`` is operand axis ``permutation[i]``."""
+    return tuple(eqn.params["permutation"])
+
+
+def squeezed_dimensions(eqn: Any) -> tuple[int, ...]:
+    """The operand axes a ``squeeze`` drops."""
+    return tuple(eqn.params["dimensions"])
+
+
+def reshape_keeps_order(eqn: Any) -> bool:
+    """Whether a ``reshape`` reads its operand in row-major order (no ``dimensions``
+    permutation first)."""
+    return eqn.params.get("dimensions") is None
+
+
+def call_name(eqn: Any) -> str | None:
+    """The name a ``jit`` equation records for the function it calls."""
+    name = eqn.params.get("name")
+    return None if name is None else str(name)
+
+
 _JAX_SOURCE = os.path.dirname(os.path.abspath(jax.__file__))
 
 
@@ -109,7 +197,7 @@ def jit_defined_in_jax(eqn: Any) -> str | None:
     (``jnp.linalg.norm`` is a jitted function named ``norm``); else ``None``."""
     if _JAX_SOURCE not in jit_source(eqn):
         return None
-    return str(eqn.params.get("name"))
+    return str(call_name(eqn))
 
 
 def equation_frames(eqn: Any) -> list[tuple[str, int, str]]:

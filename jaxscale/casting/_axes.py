@@ -21,6 +21,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxscale._src.jaxprs import (
+    broadcast_dimensions,
+    convolution_output_feature_axis,
+    dot_dimension_numbers,
+    reshape_keeps_order,
+    squeezed_dimensions,
+    transpose_permutation,
+)
+
 Labels = tuple[str, ...]
 
 BATCH, LHS, RHS, MIXED = "batch", "lhs", "rhs", "mixed"
@@ -49,11 +58,11 @@ def of_output(eqn: Any, source: Labels | None) -> Labels | None:
     if name in _SAME_AXES:
         return source
     if name == "transpose":
-        return tuple(source[i] for i in eqn.params["permutation"])
+        return tuple(source[i] for i in transpose_permutation(eqn))
     if name == "squeeze":
-        dropped = set(eqn.params["dimensions"])
+        dropped = set(squeezed_dimensions(eqn))
         return tuple(label for i, label in enumerate(source) if i not in dropped)
-    if name == "reshape" and eqn.params.get("dimensions") is None:
+    if name == "reshape" and reshape_keeps_order(eqn):
         return _reshape(tuple(eqn.invars[0].aval.shape), tuple(eqn.outvars[0].aval.shape), source)
     return None
 
@@ -103,7 +112,7 @@ def bias_of_the_products_shape(product: Labels | None, shape: Any, *, expanded: 
 
 
 def _dot_general(eqn: Any) -> Labels:
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dot_dimension_numbers(eqn)
     lhs_ndim, rhs_ndim = (len(v.aval.shape) for v in eqn.invars[:2])
     return (
         (BATCH,) * len(lhs_batch)
@@ -114,15 +123,14 @@ def _dot_general(eqn: Any) -> Labels:
 
 def _convolution(eqn: Any) -> Labels:
     ndim = len(eqn.outvars[0].aval.shape)
-    numbers = eqn.params.get("dimension_numbers")
-    feature = numbers.out_spec[1] if numbers is not None else 1
+    feature = convolution_output_feature_axis(eqn)
     # the batch and spatial axes come from the input, the output channels from the kernel
     return tuple(RHS if i == feature else LHS for i in range(ndim))
 
 
 def _broadcast(eqn: Any, source: Labels | None) -> Labels:
     operand = tuple(eqn.invars[0].aval.shape)
-    kept = dict(zip(eqn.params["broadcast_dimensions"], range(len(operand)), strict=True))
+    kept = dict(zip(broadcast_dimensions(eqn), range(len(operand)), strict=True))
     labels = []
     for axis in range(len(eqn.outvars[0].aval.shape)):
         i = kept.get(axis)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale._src.jaxprs import dot_dimension_numbers
 from jaxscale.casting._float8 import quantize_float8
 from jaxscale.casting._mx import dequantize_mx, quantize_mx
 
@@ -184,7 +185,7 @@ def eligible(eqn: Any, recipe: Recipe | None = None) -> bool:
     lhs, rhs = (v.aval for v in eqn.invars)
     if not all(jnp.issubdtype(a.dtype, jnp.floating) for a in (lhs, rhs)):
         return False
-    layout = as_rows_and_columns(eqn.params["dimension_numbers"], lhs.shape, rhs.shape)
+    layout = as_rows_and_columns(dot_dimension_numbers(eqn), lhs.shape, rhs.shape)
     alignment = recipe.block_size if isinstance(recipe, MXRecipe) else 16
     return layout is not None and all(size % alignment == 0 for size in layout[2:])
 

@@ -28,6 +28,9 @@ from jaxscale._src.jaxprs import (
     compute_on_function,
     is_literal,
     jit_defined_in_jax,
+    scan_operand_groups,
+    shard_map_checks_varying,
+    shard_map_manual_axes,
 )
 from jaxscale.casting._interpreter import (
     HIGHER_ORDER,
@@ -71,7 +74,9 @@ def _called_under_autocast(
 
 
 @_register("jit", "closed_call")  # closed_call: JAX 0.10 only
-def _inline_call(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
+def _inline_call(
+    autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag], **_: Any
+) -> Result:
     # A nested jit changes nothing inside an enclosing trace: its equations are
     # evaluated in place, so matmul/bias facts flow across its boundary too.
     jaxpr, consts = called_program(eqn)
@@ -82,7 +87,14 @@ def _inline_call(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: l
 
 @_register("xla_metadata_call")  # JAX 0.11 and later
 def _xla_metadata_call(
-    autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]
+    autocaster: Autocaster,
+    eqn: Any,
+    invals: list[Any],
+    in_tags: list[Tag],
+    *,
+    ad_metadata: Any,
+    xla_metadata: Any,
+    **_: Any,
 ) -> Result:
     # jax.experimental.xla_metadata.xla_metadata_call: the call is rebuilt with the same
     # metadata around the function under autocast, so the attributes still reach the
@@ -92,45 +104,62 @@ def _xla_metadata_call(
         xla_metadata_call2,
     )
 
-    params = eqn.params
-    recorded = params["ad_metadata"]  # "same", () for "drop", or pairs
-    ad_metadata = recorded if recorded == "same" else (dict(recorded) if recorded else "drop")
+    # ad_metadata as recorded: "same", () for "drop", or pairs
+    recorded = ad_metadata if ad_metadata == "same" else (dict(ad_metadata) or "drop")
     rebuilt = xla_metadata_call2(
         _called_under_autocast(autocaster, eqn, invals, in_tags),
-        metadata=dict(params["xla_metadata"]),
-        ad_metadata=ad_metadata,
+        metadata=dict(xla_metadata),
+        ad_metadata=recorded,
     )
     return list(rebuilt(*invals)), []
 
 
 @_register("compute_on")
-def _compute_on(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
+def _compute_on(
+    autocaster: Autocaster,
+    eqn: Any,
+    invals: list[Any],
+    in_tags: list[Tag],
+    *,
+    compute_type: Any,
+    out_memory_spaces: Any,
+    **params: Any,
+) -> Result:
     # jax.experimental.compute_on's function form (host offloading): the call is rebuilt
     # with the same compute type, output memory spaces and compiler options around the
     # function under autocast, so its operations still run where they were placed
-    params = eqn.params
     options = params.get("compiler_options_json")  # from JAX 0.10.1
     rebuilt = compute_on_function()(
         _called_under_autocast(autocaster, eqn, invals, in_tags),
-        compute_type=params["compute_type"],
-        out_memory_spaces=list(params["out_memory_spaces"]),
+        compute_type=compute_type,
+        out_memory_spaces=list(out_memory_spaces),
         **({} if options is None else {"compiler_options": json.loads(options)}),
     )
     return list(rebuilt(*invals)), []
 
 
 @_register("fused_call")
-def _fused(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
+def _fused(
+    autocaster: Autocaster,
+    eqn: Any,
+    invals: list[Any],
+    in_tags: list[Tag],
+    *,
+    out_spaces: Any,
+    **_: Any,
+) -> Result:
     # jax.experimental.fused: a function XLA must compile as one GPU kernel, rebuilt
     # with the same output memory spaces around the function under autocast
     from jax.experimental.fused import fused
 
     body = _called_under_autocast(autocaster, eqn, invals, in_tags)
-    return list(fused(out_spaces=eqn.params["out_spaces"])(body)(*invals)), []
+    return list(fused(out_spaces=out_spaces)(body)(*invals)), []
 
 
 @_register("custom_linear_solve", "pallas_call", "custom_partitioning")
-def _as_traced(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
+def _as_traced(
+    autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag], **_: Any
+) -> Result:
     # jnp.linalg.solve and the iterative solvers: linear algebra runs as written (see
     # AS_TRACED in the policy), so the equation is bound again on its traced dtypes.
     # A Pallas kernel too: it was written for the dtypes it was traced with, and its
@@ -143,31 +172,50 @@ def _as_traced(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: lis
 
 
 @_register("composite")
-def _composite(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
+def _composite(
+    autocaster: Autocaster,
+    eqn: Any,
+    invals: list[Any],
+    in_tags: list[Tag],
+    *,
+    attributes: Any,
+    name: str,
+    version: int,
+    **_: Any,
+) -> Result:
     # lax.composite: a named operation defined by its decomposition, which a compiler
     # may replace by a kernel of its own. Autocast casts inside the decomposition, as
     # inside any function, and the result is again a composite of the same name,
     # version and attributes (a compiler matching it on its dtypes then sees autocast's).
-    params = eqn.params
-    attributes = {
+    given = {
         # an array attribute is held hashable; its ``val`` is the array given
-        name: treedef.unflatten([getattr(leaf, "val", leaf) for leaf in leaves])
-        for name, leaves, treedef in params["attributes"]
+        key: treedef.unflatten([getattr(leaf, "val", leaf) for leaf in leaves])
+        for key, leaves, treedef in attributes
     }
 
     decomposition = _called_under_autocast(autocaster, eqn, invals, in_tags)
-    rebuilt = lax.composite(decomposition, params["name"], params["version"])
-    return list(rebuilt(*invals, **attributes)), []
+    rebuilt = lax.composite(decomposition, name, version)
+    return list(rebuilt(*invals, **given)), []
 
 
 @_register("scan")
-def _scan(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
-    params = eqn.params
-    body = params["jaxpr"]
-    consts, init, xs = _scan_operands(params, invals)
-    const_tags, _, xs_tags = _scan_operands(params, in_tags)
+def _scan(
+    autocaster: Autocaster,
+    eqn: Any,
+    invals: list[Any],
+    in_tags: list[Tag],
+    *,
+    jaxpr: Any,
+    length: int,
+    reverse: bool,
+    unroll: Any,
+    **params: Any,
+) -> Result:
+    body = jaxpr
+    consts, init, xs = scan_operand_groups(params, invals)
+    const_tags, _, xs_tags = scan_operand_groups(params, in_tags)
     num_carry = len(init)
-    carry_dtypes = [a.dtype for a in _scan_operands(params, body.in_avals)[1]]
+    carry_dtypes = [a.dtype for a in scan_operand_groups(params, body.in_avals)[1]]
     init = cast_floating(init, carry_dtypes)
     # what the constants are holds in every step; a slice of a given value is given (a
     # layer's parameters scanned over); the carry is computed anew
@@ -181,44 +229,33 @@ def _scan(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag
         step,
         init,
         xs,
-        length=params["length"],
-        reverse=params["reverse"],
-        unroll=params["unroll"],
+        length=length,
+        reverse=reverse,
+        unroll=unroll,
     )
     return [*carry, *ys], []
 
 
-def _scan_operands(params: dict[str, Any], values: Sequence[Any]) -> tuple[list, list, list]:
-    """A scan's operands (or its body's inputs) as ``(consts, carry, xs)``.
-
-    JAX up to 0.11 records the group sizes as ``num_consts``/``num_carry``; later
-    versions record a flat tree, ``ft_in``, that splits them.
-    """
-    if "ft_in" in params:
-        consts, carry, xs = params["ft_in"].update(list(values)).unpack()
-        return list(consts), list(carry), list(xs)
-    num_consts, num_carry = params["num_consts"], params["num_carry"]
-    values = list(values)
-    return (
-        values[:num_consts],
-        values[num_consts : num_consts + num_carry],
-        values[num_consts + num_carry :],
-    )
-
-
 @_register("while")
-def _while(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
-    params = eqn.params
-    cond, body = params["cond_jaxpr"], params["body_jaxpr"]
-    cond_consts = invals[: params["cond_nconsts"]]
-    rest = invals[params["cond_nconsts"] :]
-    body_consts, init = rest[: params["body_nconsts"]], rest[params["body_nconsts"] :]
-    carry_dtypes = [a.dtype for a in body.in_avals[params["body_nconsts"] :]]
-    cond_tags = [*in_tags[: params["cond_nconsts"]], *[Tag.NONE] * len(init)]
-    body_tags = [
-        *in_tags[params["cond_nconsts"] :][: params["body_nconsts"]],
-        *[Tag.NONE] * len(init),
-    ]
+def _while(
+    autocaster: Autocaster,
+    eqn: Any,
+    invals: list[Any],
+    in_tags: list[Tag],
+    *,
+    cond_jaxpr: Any,
+    body_jaxpr: Any,
+    cond_nconsts: int,
+    body_nconsts: int,
+    **_: Any,
+) -> Result:
+    cond, body = cond_jaxpr, body_jaxpr
+    cond_consts = invals[:cond_nconsts]
+    rest = invals[cond_nconsts:]
+    body_consts, init = rest[:body_nconsts], rest[body_nconsts:]
+    carry_dtypes = [a.dtype for a in body.in_avals[body_nconsts:]]
+    cond_tags = [*in_tags[:cond_nconsts], *[Tag.NONE] * len(init)]
+    body_tags = [*in_tags[cond_nconsts:][:body_nconsts], *[Tag.NONE] * len(init)]
 
     def keep_going(carry: Any) -> Any:
         return autocaster.run(cond, [*cond_consts, *carry], cond_tags)[0]
@@ -231,9 +268,16 @@ def _while(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Ta
 
 
 @_register("cond")
-def _cond(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
+def _cond(
+    autocaster: Autocaster,
+    eqn: Any,
+    invals: list[Any],
+    in_tags: list[Tag],
+    *,
+    branches: Any,
+    **_: Any,
+) -> Result:
     index, operands = invals[0], invals[1:]
-    branches = eqn.params["branches"]
 
     def branch_fn(closed: Any) -> Any:
         def branch(*ops: Any) -> list[Any]:
@@ -261,25 +305,39 @@ def _cond(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag
 
 
 @_register("remat2")  # jax.checkpoint, nnx.remat
-def _remat(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
-    jaxpr = eqn.params["jaxpr"]
-
+def _remat(
+    autocaster: Autocaster,
+    eqn: Any,
+    invals: list[Any],
+    in_tags: list[Tag],
+    *,
+    jaxpr: Any,
+    prevent_cse: bool,
+    policy: Any,
+    **_: Any,
+) -> Result:
     def body(*args: Any) -> list[Any]:
         return autocaster.eval_in_place_of(jaxpr, [], args, invals, in_tags)
 
-    rematted = jax.checkpoint(
-        body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"]
-    )
+    rematted = jax.checkpoint(body, prevent_cse=prevent_cse, policy=policy)
     return list(rematted(*invals)), []
 
 
 @_register("custom_jvp_call")
-def _custom_jvp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
+def _custom_jvp(
+    autocaster: Autocaster,
+    eqn: Any,
+    invals: list[Any],
+    in_tags: list[Tag],
+    *,
+    call_jaxpr: Any,
+    symbolic_zeros: bool,
+    **_: Any,
+) -> Result:
     # The primal runs under autocast now; the user's JVP rule runs under autocast when
     # JAX differentiates, and only then, with the tangents JAX gives it (symbolic
     # zeros where it has them), as JAX would run the rule itself.
-    call = eqn.params["call_jaxpr"]
-    wants_symbolic_zeros = eqn.params["symbolic_zeros"]
+    call, wants_symbolic_zeros = call_jaxpr, symbolic_zeros
     traced = list(call.in_avals)  # abstract values: shapes, dtypes, varying mesh axes
 
     def primal(*args: Any) -> list[Any]:
@@ -320,14 +378,22 @@ def _custom_jvp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: li
 
 
 @_register("custom_vmap_call")
-def _custom_vmap(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
+def _custom_vmap(
+    autocaster: Autocaster,
+    eqn: Any,
+    invals: list[Any],
+    in_tags: list[Tag],
+    *,
+    call: Any,
+    rule: Any,
+    in_tree: Any,
+    **_: Any,
+) -> Result:
     # jax.custom_batching.custom_vmap (and sequential_vmap): the function runs under
     # autocast now; the user's batching rule runs under autocast when JAX batches it,
     # and only then, traced at the dtypes it was written for, as the function was. Its
     # results take the dtypes the function gives under autocast, so a function casts
     # the same batched or not.
-    params = eqn.params
-    call, rule, in_tree = params["call"], params["rule"], params["in_tree"]
     traced = [aval.dtype for aval in call.in_avals]
 
     def function(*args: Any) -> list[Any]:
@@ -362,12 +428,20 @@ def _custom_vmap(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: l
 
 
 @_register("custom_vjp_call")
-def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
+def _custom_vjp(
+    autocaster: Autocaster,
+    eqn: Any,
+    invals: list[Any],
+    in_tags: list[Tag],
+    *,
+    call_jaxpr: Any,
+    symbolic_zeros: bool,
+    **_: Any,
+) -> Result:
     # The primal runs under autocast now; the user's forward and backward rules run
     # under autocast when JAX differentiates, and only then, with the perturbation
     # flags and symbolic zero cotangents JAX gives them.
-    call = eqn.params["call_jaxpr"]
-    wants_symbolic_zeros = eqn.params["symbolic_zeros"]
+    call, wants_symbolic_zeros = call_jaxpr, symbolic_zeros
     traced = list(call.in_avals)  # abstract values: shapes, dtypes, varying mesh axes
     cotangent_avals = [_tangent_aval(a) for a in call.out_avals]
 
@@ -491,23 +565,28 @@ def _tangent_aval(aval: Any) -> Any:
 
 
 @_register("shard_map")
-def _shard_map(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Result:
-    params = eqn.params
-    jaxpr = params["jaxpr"]
-
+def _shard_map(
+    autocaster: Autocaster,
+    eqn: Any,
+    invals: list[Any],
+    in_tags: list[Tag],
+    *,
+    jaxpr: Any,
+    mesh: Any,
+    in_specs: Any,
+    out_specs: Any,
+    **params: Any,
+) -> Result:
     def body(*args: Any) -> tuple[Any, ...]:
         return tuple(autocaster.eval_in_place_of(jaxpr, [], args, invals, in_tags))
 
-    axes = next(
-        params[k] for k in ("newly_manual_axes", "manual_axes", "axis_names") if k in params
-    )
     mapped = jax.shard_map(
         body,
-        mesh=params["mesh"],
-        in_specs=tuple(params["in_specs"]),
-        out_specs=tuple(params["out_specs"]),
-        axis_names=set(axes),
-        check_vma=params.get("check_vma", params.get("check_rep", True)),
+        mesh=mesh,
+        in_specs=tuple(in_specs),
+        out_specs=tuple(out_specs),
+        axis_names=shard_map_manual_axes(params),
+        check_vma=shard_map_checks_varying(params),
     )
     return list(mapped(*invals)), []
 

@@ -67,12 +67,16 @@ from jax import lax
 from jaxscale._src.jaxprs import (
     bind_in_context,
     contains_jaxpr,
+    dot_dimension_numbers,
     equation_context,
     is_literal,
     is_traced,
     is_variable,
     literal_value,
     name_stack_text,
+    parameters,
+    parameters_to_bind,
+    preferred_element_type,
 )
 from jaxscale.casting import _axes
 from jaxscale.casting._float8_matmul import Recipe, float8_dot_general
@@ -149,7 +153,9 @@ _EXACT_IN_FLOAT32 = {"reduce_max", "reduce_min"}
 # of it, reads the float32 sum.
 _DIVIDED_BEFORE_ROUNDING = {"reduce_window_sum"}
 
-HigherOrderRule = Callable[["Autocaster", Any, list[Any], list[Tag]], tuple[list[Any], list[Tag]]]
+# A rule for a higher-order primitive: ``rule(autocaster, eqn, invals, in_tags,
+# **parameters)``, naming the equation's parameters it reads as keyword arguments.
+HigherOrderRule = Callable[..., tuple[list[Any], list[Tag]]]
 HIGHER_ORDER: dict[str, HigherOrderRule] = {}
 
 
@@ -286,7 +292,7 @@ class Autocaster:
         """A view of a float16 window sum is one too: the same view of its float32 sum."""
         wide = self._window_sum(invals[0])
         if wide is not None and len(outvals) == 1 and outvals[0].dtype == invals[0].dtype:
-            wide_view = bind_in_context(eqn, [wide, *invals[1:]], dict(eqn.params))[0]
+            wide_view = bind_in_context(eqn, [wide, *invals[1:]], parameters_to_bind(eqn))[0]
             self._window_sums[id(outvals[0])] = (outvals[0], wide_view)
 
     def _window_sum(self, value: Any) -> Any | None:
@@ -390,9 +396,9 @@ class Autocaster:
             traced = [v.aval.dtype for v in eqn.invars]
             outvals = bind_in_context(eqn, cast_floating(invals, traced))
         elif name in HIGHER_ORDER and not is_registered(name):
-            outvals, out_tags = HIGHER_ORDER[name](self, eqn, invals, in_tags)
+            outvals, out_tags = HIGHER_ORDER[name](self, eqn, invals, in_tags, **parameters(eqn))
         elif (
-            any(contains_jaxpr(p) for p in eqn.params.values())
+            any(contains_jaxpr(p) for p in parameters(eqn).values())
             and name not in _OPAQUE_WITH_JAXPR
             and not is_registered(name)
         ):
@@ -414,12 +420,28 @@ class Autocaster:
     def first_order(
         self, eqn: Any, invals: list[Any], in_tags: list[Tag]
     ) -> tuple[list[Any], list[Tag]]:
+        """A first-order equation under autocast: its precision decided, its operands
+        cast for it (a float8 or float32-gradient matmul replaces the equation), and
+        the equation bound on them, summing in float32 where it sums half values."""
+        precision = self._precision_of(eqn, invals, in_tags)
+        traced = [v.aval.dtype for v in eqn.invars]
+        if precision is Precision.LOWER and self._lowers(invals):
+            replaced = self._replaced_matmul(eqn, invals, in_tags, traced)
+            if replaced is not None:
+                return [replaced], [Tag.PRODUCT]
+        window_sums = [self._window_sum(v) for v in invals] if eqn.primitive.name == "div" else None
+        params = parameters_to_bind(eqn)
+        invals, bias_summed_in_float32 = self._cast_operands(
+            eqn, precision, invals, in_tags, traced, params
+        )
+        outvals = self._bind_cast(eqn, invals, in_tags, params, window_sums, bias_summed_in_float32)
+        return outvals, _output_tags(eqn.primitive.name, precision, eqn, in_tags, len(outvals))
+
+    def _precision_of(self, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> Precision:
+        """The policy's precision for the equation, resolved where it depends on the
+        operands: a reciprocal, softmax's subtraction of its maximum, complex matmuls."""
         name = eqn.primitive.name
         precision = row_for(name, self.device_type).precision
-        traced = [v.aval.dtype for v in eqn.invars]
-        params = dict(eqn.params)
-        window_sums = [self._window_sum(v) for v in invals] if name == "div" else None
-        bias_summed_in_float32 = False
         if precision is Precision.RECIPROCAL:
             precision = (
                 Precision.FLOAT32
@@ -433,82 +455,110 @@ class Autocaster:
             # real operand of a complex matmul back to its traced float32), never a
             # float16 x complex64 product
             precision = Precision.AS_TRACED
+        return precision
 
+    @staticmethod
+    def _lowers(invals: list[Any]) -> bool:
+        """Whether a LOWER equation's floating operands may be lowered: all of them float32
+        or half (a float64 or float8 operand keeps the equation as written)."""
+        floating = [v for v in invals if is_floating(v.dtype)]
+        return bool(floating) and all(v.dtype in _LOWER_ELIGIBLE for v in floating)
+
+    def _replaced_matmul(
+        self, eqn: Any, invals: list[Any], in_tags: list[Tag], traced: list[Any]
+    ) -> Any | None:
+        """The result of a matmul that runs as something other than itself: a float8
+        recipe's, or one whose operands' gradients come out in float32; else ``None``."""
+        if self.float8 is not None and self._runs_in_float8(eqn):
+            # torchao's Float8Linear: the input in the autocast dtype, the weight
+            # quantized from its own precision, the result in the autocast dtype
+            lhs = self.cast(invals[0], self.dtype, in_tags[0])
+            return float8_dot_general(
+                lhs, invals[1], dot_dimension_numbers(eqn), self.float8, self.dtype
+            )
+        floating = [v for v in invals if is_floating(v.dtype)]
+        if self._keeps_float32_gradients(eqn, floating, traced):
+            return dot_with_float32_gradients(
+                invals[0], invals[1], dot_dimension_numbers(eqn), self.dtype,
+                parameters(eqn).get("precision"),
+            )  # fmt: skip
+        return None
+
+    def _cast_operands(
+        self, eqn: Any, precision: Precision, invals: list[Any], in_tags: list[Tag],
+        traced: list[Any], params: dict[str, Any],
+    ) -> tuple[list[Any], bool]:  # fmt: skip
+        """The operands cast for ``precision`` (``params`` updated where the result dtype
+        is one), and whether the equation is a bias addition whose gradient must be
+        summed in float32."""
+        name = eqn.primitive.name
         if precision is Precision.AS_TRACED:
-            invals = [
+            return [
                 self.cast(v, d, t) if is_floating(v.dtype) and is_floating(d) else v
                 for v, d, t in zip(invals, traced, in_tags, strict=True)
-            ]
-        elif precision is Precision.LOWER:
-            floating = [v for v in invals if is_floating(v.dtype)]
-            if floating and all(v.dtype in _LOWER_ELIGIBLE for v in floating):
-                if self.float8 is not None and self._runs_in_float8(eqn):
-                    # torchao's Float8Linear: the input in the autocast dtype, the weight
-                    # quantized from its own precision, the result in the autocast dtype
-                    lhs = self.cast(invals[0], self.dtype, in_tags[0])
-                    out = float8_dot_general(
-                        lhs, invals[1], params["dimension_numbers"], self.float8, self.dtype
-                    )
-                    return [out], [Tag.PRODUCT]
-                if self._keeps_float32_gradients(eqn, floating, traced):
-                    out = dot_with_float32_gradients(
-                        invals[0], invals[1], params["dimension_numbers"], self.dtype,
-                        params.get("precision"),
-                    )  # fmt: skip
-                    return [out], [Tag.PRODUCT]
-                invals = [
-                    self.cast(v, self.dtype, t) if is_floating(v.dtype) else v
-                    for v, t in zip(invals, in_tags, strict=True)
-                ]
-                preferred = params.get("preferred_element_type")
-                if (
-                    preferred is not None
-                    and is_floating(preferred)
-                    and not _asks_for_a_wider_result(preferred, traced)
-                ):
-                    params["preferred_element_type"] = self.dtype
-        elif precision is Precision.FLOAT32:
-            invals = [self.cast(v, jnp.float32) if v.dtype in _HALF else v for v in invals]
-        elif name in ("add", "add_any") and self._is_bias_add(eqn, invals, in_tags):
+            ], False
+        if precision is Precision.LOWER:
+            if not self._lowers(invals):
+                return invals, False
+            preferred = preferred_element_type(eqn)
+            if (
+                preferred is not None
+                and is_floating(preferred)
+                and not _asks_for_a_wider_result(preferred, traced)
+            ):
+                params["preferred_element_type"] = self.dtype
+            return [
+                self.cast(v, self.dtype, t) if is_floating(v.dtype) else v
+                for v, t in zip(invals, in_tags, strict=True)
+            ], False
+        if precision is Precision.FLOAT32:
+            return [self.cast(v, jnp.float32) if v.dtype in _HALF else v for v in invals], False
+        if name in ("add", "add_any") and self._is_bias_add(eqn, invals, in_tags):
+            invals = list(invals)
             product = 0 if Tag.PRODUCT in in_tags[0] else 1
             addend = 1 - product
             invals[addend] = self.cast(invals[addend], invals[product].dtype, in_tags[addend])
             # its gradient is a sum over the axes it is broadcast along: here, or by a
             # jax.vmap applied outside autocast
-            bias_summed_in_float32 = (
-                invals[addend].dtype in _HALF and Tag.KNOWN not in in_tags[addend]
-            )
-        elif name not in _EACH_OPERAND_ON_ITS_OWN:
-            invals = self._promote_to_widest(invals, in_tags, traced)
+            return invals, invals[addend].dtype in _HALF and Tag.KNOWN not in in_tags[addend]
+        if name not in _EACH_OPERAND_ON_ITS_OWN:
+            return self._promote_to_widest(invals, in_tags, traced), False
+        return invals, False
 
+    def _bind_cast(
+        self, eqn: Any, invals: list[Any], in_tags: list[Tag], params: dict[str, Any],
+        window_sums: list[Any] | None, bias_summed_in_float32: bool,
+    ) -> list[Any]:  # fmt: skip
+        """The equation bound on its cast operands; a sum of half values (a reduction, an
+        average pool's window sum, a bias's or a broadcast's gradient) in float32."""
+        name = eqn.primitive.name
         if name in (_ACCUMULATES_IN_FLOAT32 | _EXACT_IN_FLOAT32) and invals[0].dtype in _HALF:
             wide = bind_in_context(eqn, [cast(invals[0], jnp.float32)], params)
             outvals = [cast(v, invals[0].dtype) for v in wide]
             if name in _DIVIDED_BEFORE_ROUNDING:
                 self._window_sums[id(outvals[0])] = (outvals[0], wide[0])
-        elif window_sums and window_sums[0] is not None and is_floating(invals[1].dtype):
+            return outvals
+        if window_sums and window_sums[0] is not None and is_floating(invals[1].dtype):
             # an average pool: the float32 sum divided, then rounded once
             divisor = window_sums[1] if window_sums[1] is not None else invals[1]
             wide = bind_in_context(eqn, [window_sums[0], cast(divisor, jnp.float32)], params)
-            outvals = [cast(wide[0], invals[0].dtype)]
-        elif bias_summed_in_float32:
-            outvals = [
+            return [cast(wide[0], invals[0].dtype)]
+        if bias_summed_in_float32:
+            return [
                 bias_added_with_a_float32_gradient_sum(
                     lambda a, b: bind_in_context(eqn, [a, b], params)[0], *invals
                 )
             ]
-        elif name == "broadcast_in_dim" and _sums_back_in_half(eqn, invals, in_tags, 0):
+        if name == "broadcast_in_dim" and _sums_back_in_half(eqn, invals, in_tags, 0):
             rest = invals[1:]
-            outvals = [
+            return [
                 summed_back_in_float32(
                     lambda v: bind_in_context(eqn, [v, *rest], params)[0], invals[0]
                 )
             ]
-        else:
-            if name in _BROADCASTING_ELEMENTWISE:
-                invals = _broadcasts_summed_back_in_float32(eqn, invals, in_tags)
-            outvals = bind_in_context(eqn, invals, params)
-        return outvals, _output_tags(name, precision, eqn, in_tags, len(outvals))
+        if name in _BROADCASTING_ELEMENTWISE:
+            invals = _broadcasts_summed_back_in_float32(eqn, invals, in_tags)
+        return bind_in_context(eqn, invals, params)
 
     def _is_bias_add(self, eqn: Any, invals: list[Any], in_tags: list[Tag]) -> bool:
         """One operand is a matmul's output, the other an addend broadcast over it (a bias):
@@ -540,7 +590,7 @@ class Autocaster:
         dtype, whose result is the autocast dtype (not a wider one asked for)."""
         if self.grad_dtype is None or eqn.primitive.name != "dot_general":
             return False
-        preferred = eqn.params.get("preferred_element_type")
+        preferred = preferred_element_type(eqn)
         if (
             preferred is not None
             and is_floating(preferred)

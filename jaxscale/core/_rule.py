@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -43,6 +44,13 @@ class ScaleUpdateRule:
         }
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> ScaleUpdateRule:
+        """The rule whose fields are the arguments of the same names (a ``locals()``):
+        how :func:`update_scale`, ``grad_scaler`` and ``GradScaler``, which take the
+        options one by one, each build theirs."""
+        return cls(**{field.name: arguments[field.name] for field in dataclasses.fields(cls)})
 
     def record(self, state: ScalerState, found_inf: Any) -> ScalerState:
         """``state`` with this step's ``found_inf`` recorded and, when true, counted as skipped."""
@@ -224,13 +232,4 @@ def update_scale(
     >>> int(state.growth_tracker), float(state.scale)
     (0, 2.0)
     """
-    rule = ScaleUpdateRule(
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        hysteresis=hysteresis,
-        dynamic=dynamic,
-    )
-    return rule.apply(state, found_inf)
+    return ScaleUpdateRule.from_arguments(locals()).apply(state, found_inf)

@@ -29,6 +29,8 @@ from jaxscale._src.jaxprs import (
     is_variable,
     jit_source,
     literal_value,
+    parameters,
+    scan_operand_groups,
 )
 from jaxscale.diagnosis._frames import Location, location
 from jaxscale.diagnosis._phases import backward_equations
@@ -47,6 +49,20 @@ class Phase(NamedTuple):
         return {"backward": self.backward, "backward_outputs": self.outputs}
 
 
+class EquationRun(NamedTuple):
+    """One equation as the evaluation ran it: what :meth:`CarryingEvaluator.after_equation`
+    is given."""
+
+    eqn: Any
+    invals: list[Any]
+    in_infos: list[Any]  # what was kept about each input (CarryingEvaluator.value_info)
+    outvals: list[Any]
+    out_infos: list[Any]
+    iteration: Any  # the loop iteration it ran in, or NOT_IN_A_LOOP
+    phase: Phase
+    here: Location  # the user's line that traced it
+
+
 class CarryingEvaluator:
     """Evaluates jaxprs, threading a carry that :meth:`after_equation` updates."""
 
@@ -61,19 +77,8 @@ class CarryingEvaluator:
         subclass knows it from the inputs (their values or what was kept about them)."""
         return [self.value_info(value) for value in outvals]
 
-    def after_equation(
-        self,
-        eqn: Any,
-        invals: list[Any],
-        in_infos: list[Any],
-        outvals: list[Any],
-        out_infos: list[Any],
-        carry: Any,
-        iteration: Any,
-        phase: Phase,
-        here: Location,
-    ) -> Any:
-        """The carry after ``eqn`` ran (called once the equation's outputs exist)."""
+    def after_equation(self, ran: EquationRun, carry: Any) -> Any:
+        """The carry after ``ran.eqn`` ran (called once the equation's outputs exist)."""
         return carry
 
     def settle(self, carry: Any, iteration: Any) -> Any:
@@ -142,15 +147,16 @@ class CarryingEvaluator:
                     enclosing = self._enclosing()
                     enclosing.append(here)
                     try:
-                        outvals, carry = rule(self, eqn, invals, carry, iteration, phase, here)
+                        outvals, carry = rule(
+                            self, eqn, invals, carry, iteration, phase, here, **parameters(eqn)
+                        )
                     finally:
                         enclosing.pop()
                 out_infos = self.output_infos(eqn, invals, in_infos, outvals)
                 for var, value, info in zip(eqn.outvars, outvals, out_infos, strict=True):
                     write(var, value, info)
-                carry = self.after_equation(
-                    eqn, invals, in_infos, outvals, out_infos, carry, iteration, phase, here
-                )
+                ran = EquationRun(eqn, invals, in_infos, outvals, out_infos, iteration, phase, here)
+                carry = self.after_equation(ran, carry)
         return [read(v) for v in jaxpr.outvars], self.settle(carry, iteration)
 
     def _location(self, eqn: Any, place: Location | None) -> Location:
@@ -177,9 +183,9 @@ class CarryingEvaluator:
 
 # -- higher-order equations ------------------------------------------------------------------
 
-Rule = Callable[
-    [CarryingEvaluator, Any, list[Any], Any, Any, Phase, Location], tuple[list[Any], Any]
-]
+# ``rule(evaluator, eqn, invals, carry, iteration, phase, here, **parameters)``: the
+# equation's outputs and the carry after it, the equation's parameters as keywords.
+Rule = Callable[..., tuple[list[Any], Any]]
 _RULES: dict[str, Rule] = {}
 
 
@@ -203,8 +209,16 @@ def _inner_place(eqn: Any, here: Location) -> Location | None:
 
 
 @_rule("jit", "closed_call")  # closed_call: JAX 0.10 only
-def _inline(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
-            iteration: Any, phase: Phase, here: Location) -> tuple[list[Any], Any]:  # fmt: skip
+def _inline(
+    evaluator: CarryingEvaluator,
+    eqn: Any,
+    invals: list[Any],
+    carry: Any,
+    iteration: Any,
+    phase: Phase,
+    here: Location,
+    **params: Any,
+) -> tuple[list[Any], Any]:
     jaxpr, consts = called_program(eqn)
     return evaluator.eval(
         jaxpr, consts, invals, carry, iteration,
@@ -213,11 +227,18 @@ def _inline(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: An
 
 
 @_rule("scan")
-def _scan(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
-          iteration: Any, phase: Phase, here: Location) -> tuple[list[Any], Any]:  # fmt: skip
-    params = eqn.params
+def _scan(
+    evaluator: CarryingEvaluator,
+    eqn: Any,
+    invals: list[Any],
+    carry: Any,
+    iteration: Any,
+    phase: Phase,
+    here: Location,
+    **params: Any,
+) -> tuple[list[Any], Any]:
     body = params["jaxpr"]
-    consts, init, xs = scan_operands(params, invals)
+    consts, init, xs = scan_operand_groups(params, invals)
     first_x = [x[0] for x in xs]
 
     def step(state: Any, x: list[Any]) -> tuple[Any, list[Any]]:
@@ -240,24 +261,17 @@ def _scan(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
     return [*values, *ys], carry
 
 
-def scan_operands(params: dict[str, Any], values: Sequence[Any]) -> tuple[list, list, list]:
-    """A scan's operands as ``(consts, carry, xs)`` (JAX 0.12 records them as ``ft_in``)."""
-    if "ft_in" in params:
-        consts, carry, xs = params["ft_in"].update(list(values)).unpack()
-        return list(consts), list(carry), list(xs)
-    num_consts, num_carry = params["num_consts"], params["num_carry"]
-    values = list(values)
-    return (
-        values[:num_consts],
-        values[num_consts : num_consts + num_carry],
-        values[num_consts + num_carry :],
-    )
-
-
 @_rule("while")
-def _while(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
-           iteration: Any, phase: Phase, here: Location) -> tuple[list[Any], Any]:  # fmt: skip
-    params = eqn.params
+def _while(
+    evaluator: CarryingEvaluator,
+    eqn: Any,
+    invals: list[Any],
+    carry: Any,
+    iteration: Any,
+    phase: Phase,
+    here: Location,
+    **params: Any,
+) -> tuple[list[Any], Any]:
     cond, body = params["cond_jaxpr"], params["body_jaxpr"]
     cond_consts = invals[: params["cond_nconsts"]]
     rest = invals[params["cond_nconsts"] :]
@@ -281,8 +295,16 @@ def _while(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any
 
 
 @_rule("cond")
-def _cond(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
-          iteration: Any, phase: Phase, here: Location) -> tuple[list[Any], Any]:  # fmt: skip
+def _cond(
+    evaluator: CarryingEvaluator,
+    eqn: Any,
+    invals: list[Any],
+    carry: Any,
+    iteration: Any,
+    phase: Phase,
+    here: Location,
+    **params: Any,
+) -> tuple[list[Any], Any]:
     index, operands = invals[0], invals[1:]
 
     def branch(closed: Any) -> Callable[..., Any]:
@@ -293,7 +315,7 @@ def _cond(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
 
         return run
 
-    branches = [branch(b) for b in eqn.params["branches"]]
+    branches = [branch(b) for b in params["branches"]]
 
     def carry_after(run: Callable[..., tuple[list[Any], Any]]) -> Callable[[Any], Any]:
         return lambda c: run(c, *operands)[1]
@@ -305,26 +327,40 @@ def _cond(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
 
 
 @_rule("remat2")  # jax.checkpoint, nnx.remat
-def _remat(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
-           iteration: Any, phase: Phase, here: Location) -> tuple[list[Any], Any]:  # fmt: skip
-    jaxpr = eqn.params["jaxpr"]
+def _remat(
+    evaluator: CarryingEvaluator,
+    eqn: Any,
+    invals: list[Any],
+    carry: Any,
+    iteration: Any,
+    phase: Phase,
+    here: Location,
+    **params: Any,
+) -> tuple[list[Any], Any]:
+    jaxpr = params["jaxpr"]
 
     def body(carry: Any, iteration: Any, *args: Any) -> tuple[list[Any], Any]:
         return evaluator.eval(jaxpr, [], args, carry, iteration, **phase.inner())
 
-    rematted = jax.checkpoint(
-        body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"]
-    )
+    rematted = jax.checkpoint(body, prevent_cse=params["prevent_cse"], policy=params["policy"])
     outs, carry = rematted(carry, jnp.asarray(iteration, jnp.int32), *invals)
     return list(outs), carry
 
 
 @_rule("custom_jvp_call", "custom_vjp_call")
-def _custom(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
-            iteration: Any, phase: Phase, here: Location) -> tuple[list[Any], Any]:  # fmt: skip
+def _custom(
+    evaluator: CarryingEvaluator,
+    eqn: Any,
+    invals: list[Any],
+    carry: Any,
+    iteration: Any,
+    phase: Phase,
+    here: Location,
+    **params: Any,
+) -> tuple[list[Any], Any]:
     # The equation is bound as traced, so its rules stay for a differentiation outside;
     # its body is evaluated beside it for the carry (XLA computes the common part once).
     outs = bind_in_context(eqn, invals)
-    call = eqn.params["call_jaxpr"]
+    call = params["call_jaxpr"]
     _, carry = evaluator.eval(call.jaxpr, call.consts, invals, carry, iteration, **phase.inner())
     return outs, carry

@@ -24,8 +24,7 @@ from jax import lax
 from jaxscale._src.jaxprs import is_ref, is_traced
 from jaxscale._src.leaves import read_references
 from jaxscale._src.stateful_call import TracedCall
-from jaxscale.diagnosis._evaluator import NOT_IN_A_LOOP, CarryingEvaluator, Phase
-from jaxscale.diagnosis._frames import Location
+from jaxscale.diagnosis._evaluator import NOT_IN_A_LOOP, CarryingEvaluator, EquationRun
 from jaxscale.diagnosis._report import (
     INF,
     NAN,
@@ -172,22 +171,12 @@ class Locator(CarryingEvaluator):
             return [in_infos[0]] * len(outvals)  # exactly the input's: nothing to read
         return super().output_infos(eqn, invals, in_infos, outvals)
 
-    def after_equation(
-        self,
-        eqn: Any,
-        invals: list[Any],
-        in_infos: list[Any],
-        outvals: list[Any],
-        out_infos: list[Any],
-        carry: Any,
-        iteration: Any,
-        phase: Phase,
-        here: Location,
-    ) -> Any:
+    def after_equation(self, ran: EquationRun, carry: Any) -> Any:
+        eqn = ran.eqn
         if preserves_nonfinite(eqn):
             return carry  # its output holds the inf and NaN of its input, no others
-        known_inputs = [info for info in in_infos if info is not None]
-        for value, info in zip(outvals, out_infos, strict=True):
+        known_inputs = [info for info in ran.in_infos if info is not None]
+        for value, info in zip(ran.outvals, ran.out_infos, strict=True):
             if info is None:
                 continue
             entry = self.add(
@@ -195,8 +184,8 @@ class Locator(CarryingEvaluator):
                     "operation",
                     str(value.dtype),
                     primitive=eqn.primitive.name,
-                    phase="backward" if phase.backward else "forward",
-                    location=here,
+                    phase="backward" if ran.phase.backward else "forward",
+                    location=ran.here,
                 )
             )
             self._pending[-1].append((info, known_inputs, entry))

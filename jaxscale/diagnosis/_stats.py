@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale._src.jaxprs import call_name
 from jaxscale._src.stateful_call import TracedCall
-from jaxscale.diagnosis._evaluator import NOT_IN_A_LOOP, CarryingEvaluator, Phase
+from jaxscale.diagnosis._evaluator import NOT_IN_A_LOOP, CarryingEvaluator, EquationRun, Phase
 from jaxscale.diagnosis._frames import Location
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -121,7 +122,7 @@ class StatsCollector(CarryingEvaluator):
         only move the data on (:data:`_KEEPS_CAST`) pass that along, so the matmul that
         reads the float8 operand can report it."""
         name = eqn.primitive.name
-        if name == "jit" and eqn.params.get("name") == FLOAT8_CAST:
+        if name == "jit" and call_name(eqn) == FLOAT8_CAST:
             # quantize_float8's scaled cast: the high-precision tensor and its scale
             return [{**_cast_figures(invals[0], outvals[0]), "scale": invals[1]}]
         if name == "convert_element_type" and is_float8(outvals[0].dtype):
@@ -134,22 +135,11 @@ class StatsCollector(CarryingEvaluator):
             return [in_infos[0], *[None] * (len(outvals) - 1)]
         return [None] * len(outvals)
 
-    def after_equation(
-        self,
-        eqn: Any,
-        invals: list[Any],
-        in_infos: list[Any],
-        outvals: list[Any],
-        out_infos: list[Any],
-        carry: Any,
-        iteration: Any,
-        phase: Phase,
-        here: Location,
-    ) -> Any:
-        del out_infos, iteration
+    def after_equation(self, ran: EquationRun, carry: Any) -> Any:
+        eqn, invals, in_infos = ran.eqn, ran.invals, ran.in_infos
         if eqn.primitive.name not in MATMULS:
             return carry
-        out = outvals[0]
+        out = ran.outvals[0]
         if not jnp.issubdtype(out.dtype, jnp.floating):
             return carry
         lhs, rhs = invals[0], invals[1]
@@ -176,7 +166,7 @@ class StatsCollector(CarryingEvaluator):
             if float8
             else np.dtype(out.dtype).name
         )
-        key = self.key(eqn, phase, here, dtypes)
+        key = self.key(eqn, ran.phase, ran.here, dtypes)
         if float8:
             self.float8_keys.add(key)
         carry = dict(carry)

@@ -140,33 +140,6 @@ def _backend_available(platform: str) -> bool:
         return False
 
 
-def _when_enabled(default: Callable[..., Any]) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """Run the method only when the scaler is enabled; otherwise return ``default(*args)``."""
-
-    def decorate(method: Callable[..., T]) -> Callable[..., T]:
-        @functools.wraps(method)
-        def wrapper(self: GradScaler, *args: Any, **kwargs: Any) -> Any:
-            if not self._enabled:
-                return default(self, *args, **kwargs)
-            return method(self, *args, **kwargs)
-
-        return wrapper
-
-    return decorate
-
-
-def _noticing_lost_updates(method: Callable[..., T]) -> Callable[..., T]:
-    """A query that first warns if a traced ``update()`` never came back (see
-    ``GradScaler._warn_if_traced_update_was_lost``)."""
-
-    @functools.wraps(method)
-    def wrapper(self: GradScaler, *args: Any, **kwargs: Any) -> Any:
-        self._warn_if_traced_update_was_lost()
-        return method(self, *args, **kwargs)
-
-    return wrapper
-
-
 class GradScaler(nnx.Pytree):
     """Dynamic loss scaling with the API and behaviour of ``torch.amp.GradScaler``.
 
@@ -337,19 +310,19 @@ class GradScaler(nnx.Pytree):
 
     # -- the training-loop API --------------------------------------------------------
 
-    @_when_enabled(lambda self, outputs: outputs)
     def scale(self, outputs: T) -> T:
         """Multiply ``outputs`` (an array or a tree of arrays) by the scale.
 
         Returns the same structure, each floating leaf in its own dtype (the product
         is formed in float32; compute the loss in float32). Disabled: ``outputs``.
         """
+        if not self._enabled:
+            return outputs
         scaled = scale_outputs(outputs, self._scaler_state.scale)
         warn_about_scaled_loss(outputs, scaled, stacklevel=4)
         self._iteration.scale_called = True
         return scaled
 
-    @_when_enabled(lambda self, optimizer, grads: grads)
     def unscale_(self, optimizer: Any, grads: T) -> T:
         """Return ``grads`` divided by the scale, and record inf/NaN for ``optimizer``.
 
@@ -360,6 +333,8 @@ class GradScaler(nnx.Pytree):
         pass those to ``step``. Passing ``step`` the very gradients given here (the
         PyTorch habit of ignoring the result) raises, since they are still scaled.
         """
+        if not self._enabled:
+            return grads
         self._check_scale_called("unscale_")
         record = self._iteration.record(optimizer)
         if record.stage is Stage.UNSCALED:
@@ -406,7 +381,6 @@ class GradScaler(nnx.Pytree):
         self._iteration.store(optimizer, OptimizerRecord(Stage.STEPPED, found_inf))
         return result
 
-    @_when_enabled(lambda self, new_scale=None, *, nonfinite_report=None: None)
     def update(self, new_scale: Any = None, *, nonfinite_report: Any = None) -> None:
         """Update the scale for the next iteration, and clear the per-optimizer records.
 
@@ -421,6 +395,8 @@ class GradScaler(nnx.Pytree):
         :func:`jaxscale.locate_nonfinite` report; when the iteration overflowed, its
         origin is kept for :meth:`last_overflow_origin`.
         """
+        if not self._enabled:
+            return
         self._check_scale_called("update")
         if nonfinite_report is not None and self._origin is None:
             raise ValueError(
@@ -483,8 +459,6 @@ class GradScaler(nnx.Pytree):
 
     # -- was it skipped? ----------------------------------------------------------------
 
-    @_when_enabled(lambda self, optimizer=None: False)
-    @_noticing_lost_updates
     def found_inf(self, optimizer: Any = None) -> Any:
         """Whether gradients held an inf or NaN, so that the step was (or will be) skipped.
 
@@ -505,6 +479,9 @@ class GradScaler(nnx.Pytree):
             iteration, and the last ``update()`` ran in another traced function
             after stepping several optimizers (or none).
         """
+        if not self._enabled:
+            return False
+        self._warn_if_traced_update_was_lost()
         flags = self._iteration.optimizers
         if optimizer is None:
             recorded = [r.found_inf for r in flags.values() if r.found_inf is not None]
@@ -527,11 +504,12 @@ class GradScaler(nnx.Pytree):
             "function that stepped it, or call found_inf() for any optimizer's flag."
         )
 
-    @_when_enabled(lambda self: 0)
-    @_noticing_lost_updates
     def skipped_steps(self) -> Any:
         """How many iterations ``update()`` has ended with a skipped step (saturating at
         ``2**31 - 1``). A Python int outside ``jit``, a traced int32 inside; 0 when disabled."""
+        if not self._enabled:
+            return 0
+        self._warn_if_traced_update_was_lost()
         return _concrete(self._scaler_state.skipped_steps, int)
 
     def metrics(
@@ -552,10 +530,11 @@ class GradScaler(nnx.Pytree):
 
     # -- getters and setters ------------------------------------------------------------
 
-    @_when_enabled(lambda self: 1.0)
-    @_noticing_lost_updates
     def get_scale(self) -> Any:
         """The scale: a Python float, or a traced array inside ``jit``; 1.0 when disabled."""
+        if not self._enabled:
+            return 1.0
+        self._warn_if_traced_update_was_lost()
         return _concrete(self._scaler_state.scale, float)
 
     def get_growth_factor(self) -> float:
@@ -579,19 +558,21 @@ class GradScaler(nnx.Pytree):
     def is_enabled(self) -> bool:
         return self._enabled
 
-    @_when_enabled(lambda self: 0)
     def _get_growth_tracker(self) -> Any:
+        if not self._enabled:
+            return 0
         return _concrete(self._scaler_state.growth_tracker, int)
 
     # -- checkpoints --------------------------------------------------------------------
 
-    @_when_enabled(lambda self: {})
     def state_dict(self) -> dict[str, Any]:
         """PyTorch's state dict: ``scale``, ``growth_factor``, ``backoff_factor``,
         ``growth_interval`` and ``_growth_tracker`` as Python numbers; ``{}`` when disabled.
 
         Call it after ``update()``, outside ``jit``.
         """
+        if not self._enabled:
+            return {}
         values = [
             self.get_scale(),
             self._rule.growth_factor,
@@ -601,7 +582,6 @@ class GradScaler(nnx.Pytree):
         ]
         return dict(zip(STATE_DICT_KEYS, values, strict=True))
 
-    @_when_enabled(lambda self, state_dict: None)
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict` or from ``torch.amp.GradScaler.state_dict()``.
 
@@ -611,6 +591,8 @@ class GradScaler(nnx.Pytree):
         initial values; checkpoint the scaler with Orbax, ``flax.serialization`` or
         pickle to keep them.
         """
+        if not self._enabled:
+            return
         if len(state_dict) == 0:
             raise RuntimeError(
                 "The source state dict is empty, possibly because it was saved "
@@ -701,21 +683,13 @@ def _pytorch_checked_rule(
     dynamic: Any = True,
 ) -> ScaleUpdateRule:
     """Validate the factors with PyTorch's own messages first, then jaxscale's stricter checks."""
-    growth = validation.as_float("growth_factor", growth_factor)
-    backoff = validation.as_float("backoff_factor", backoff_factor)
-    if growth <= 1.0:
+    growth_factor = validation.as_float("growth_factor", growth_factor)
+    backoff_factor = validation.as_float("backoff_factor", backoff_factor)
+    if growth_factor <= 1.0:
         raise AssertionError("The growth factor must be > 1.0.")
-    if backoff >= 1.0:
+    if backoff_factor >= 1.0:
         raise AssertionError("The backoff factor must be < 1.0.")
-    return ScaleUpdateRule(
-        growth_factor=growth,
-        backoff_factor=backoff,
-        growth_interval=growth_interval,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        hysteresis=hysteresis,
-        dynamic=dynamic,
-    )
+    return ScaleUpdateRule.from_arguments(locals())
 
 
 def _as_new_scale(new_scale: Any, current: jax.Array) -> jax.Array:

@@ -157,15 +157,7 @@ def grad_scaler(
     if problem is not None:
         raise problem
     inner = optax.with_extra_args_support(inner)
-    rule = ScaleUpdateRule(
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        hysteresis=hysteresis,
-        dynamic=dynamic,
-    )
+    rule = ScaleUpdateRule.from_arguments(locals())
     init_scale = validation.init_scale_within(init_scale, rule.min_scale, rule.max_scale)
     record_origin = validation.as_bool("record_overflow_origin", record_overflow_origin)
     if not validation.as_bool("enabled", enabled):
