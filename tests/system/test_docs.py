@@ -99,7 +99,8 @@ MEASURED_TABLES = {
         "python examples/compare_precisions.py --devices 1 256"
     ),
     "examples/figures/float8_comparison.md": (
-        "python examples/compare_precisions.py --float8 --devices 1"
+        "python examples/compare_precisions.py --float8 --devices 1 --plot "
+        "examples/figures/float8_comparison.png"
     ),
     "examples/figures/low_precision.md": (
         "python examples/compare_low_precision.py --plot examples/figures/low_precision.png"
