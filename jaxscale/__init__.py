@@ -27,6 +27,7 @@ from jaxscale.core import unscale_and_check as unscale_and_check
 from jaxscale.core import update_scale as update_scale
 from jaxscale.diagnosis import LoweringReport as LoweringReport
 from jaxscale.diagnosis import NonfiniteReport as NonfiniteReport
+from jaxscale.diagnosis import format_precision_stats as format_precision_stats
 from jaxscale.diagnosis import locate_nonfinite as locate_nonfinite
 from jaxscale.diagnosis import lowering_report as lowering_report
 from jaxscale.diagnosis import precision_stats as precision_stats
@@ -75,6 +76,7 @@ __all__ = [
     "custom_fwd",
     "dequantize_blockwise",
     "dequantize_mx",
+    "format_precision_stats",
     "found_inf",
     "get_autocast_dtype",
     "get_scale",

@@ -33,6 +33,7 @@ import numpy as np
 from jax import lax
 
 from jaxscale._src.jaxprs import dot_dimension_numbers
+from jaxscale._src.scopes import FLOAT8_MATMUL
 from jaxscale.casting._float8 import quantize_float8
 from jaxscale.casting._mx import dequantize_mx, quantize_mx
 
@@ -210,15 +211,19 @@ def _mm(a: jax.Array, b: jax.Array, cast_a: Cast | None, cast_b: Cast | None, re
         )  # fmt: skip
         return product.astype(out_dtype)
     assert cast_b is not None
-    a8, scale_a = _quantized(a, cast_a, 1, recipe.power_of_2)  # along K
-    b8, scale_b = _quantized(b, cast_b, 0, recipe.power_of_2)  # along K
-    # An identity that keeps XLA from fusing both operands' quantization (the scales'
-    # integer long division) into the matmul: with rowwise scales, XLA 0.12 on the CPU
-    # then compiles one small matmul's gradient for minutes.
-    a8, b8, scale_a, scale_b = lax.optimization_barrier((a8, b8, scale_a, scale_b))
-    product = lax.dot_general(a8, b8, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    # torch._scaled_mm multiplies by the inverse scales (exact for powers of two)
-    return (product * ((1.0 / scale_a) * (1.0 / scale_b))).astype(out_dtype)
+    # one scope around it all: an inf born in the final cast is the float8 matmul's
+    with jax.named_scope(FLOAT8_MATMUL):
+        a8, scale_a = _quantized(a, cast_a, 1, recipe.power_of_2)  # along K
+        b8, scale_b = _quantized(b, cast_b, 0, recipe.power_of_2)  # along K
+        # An identity that keeps XLA from fusing both operands' quantization (the scales'
+        # integer long division) into the matmul: with rowwise scales, XLA 0.12 on the
+        # CPU then compiles one small matmul's gradient for minutes.
+        a8, b8, scale_a, scale_b = lax.optimization_barrier((a8, b8, scale_a, scale_b))
+        product = lax.dot_general(
+            a8, b8, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        # torch._scaled_mm multiplies by the inverse scales (exact for powers of two)
+        return (product * ((1.0 / scale_a) * (1.0 / scale_b))).astype(out_dtype)
 
 
 def float8_linear(x: jax.Array, w_t: jax.Array, recipe: Float8Recipe, out_dtype: Any) -> jax.Array:

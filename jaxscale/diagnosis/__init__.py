@@ -14,12 +14,14 @@ from jaxscale.diagnosis._lowering import LoweringReport as LoweringReport
 from jaxscale.diagnosis._lowering import lowering_report as lowering_report
 from jaxscale.diagnosis._report import NonfiniteReport as NonfiniteReport
 from jaxscale.diagnosis._report import Origin as Origin
+from jaxscale.diagnosis._stats import format_precision_stats as format_precision_stats
 from jaxscale.diagnosis._stats import precision_stats as precision_stats
 
 __all__ = [
     "LoweringReport",
     "NonfiniteReport",
     "Origin",
+    "format_precision_stats",
     "locate_nonfinite",
     "lowering_report",
     "precision_stats",

@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxscale._src.jaxprs import is_ref, is_traced
+from jaxscale._src.jaxprs import is_ref, is_traced, name_stack_text
 from jaxscale._src.leaves import read_references
+from jaxscale._src.scopes import in_float8_matmul
 from jaxscale._src.stateful_call import TracedCall
 from jaxscale.diagnosis._evaluator import NOT_IN_A_LOOP, CarryingEvaluator, EquationRun
 from jaxscale.diagnosis._report import (
@@ -183,7 +184,7 @@ class Locator(CarryingEvaluator):
                 Origin(
                     "operation",
                     str(value.dtype),
-                    primitive=eqn.primitive.name,
+                    primitive=_operation_name(eqn),
                     phase="backward" if ran.phase.backward else "forward",
                     location=ran.here,
                 )
@@ -274,3 +275,12 @@ def locate_nonfinite(fn: F) -> Callable[..., tuple[Any, NonfiniteReport]]:
         return call.finish(outs), NonfiniteReport(record, tuple(locator.origins))
 
     return located
+
+
+def _operation_name(eqn: Any) -> str:
+    """The operation the user wrote that ``eqn`` is part of: a float8 matmul's for any
+    equation autocast's float8 matmul is made of (its quantization, its product, the
+    product's rescaling and cast to the autocast dtype), else ``eqn``'s primitive."""
+    if in_float8_matmul(name_stack_text(eqn)):
+        return "float8 dot_general"
+    return str(eqn.primitive.name)

@@ -12,14 +12,15 @@ bfloat16, a loss scale, or a float8 recipe.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale._src.jaxprs import call_name
+from jaxscale._src.jaxprs import call_name, is_traced
 from jaxscale._src.stateful_call import TracedCall
 from jaxscale.diagnosis._evaluator import NOT_IN_A_LOOP, CarryingEvaluator, EquationRun, Phase
 from jaxscale.diagnosis._frames import Location
@@ -236,6 +237,75 @@ def precision_stats(fn: F) -> Callable[..., tuple[Any, dict[str, dict[str, jax.A
         return call.finish(outs), stats
 
     return measured
+
+
+_COLUMNS = (
+    ("lhs_amax", "lhs amax"),
+    ("rhs_amax", "rhs amax"),
+    ("out_amax", "out amax"),
+    ("underflow", "underflow"),
+    ("overflow", "overflow"),
+    ("lhs_float8_underflow", "lhs to float8 lost"),
+    ("rhs_float8_underflow", "rhs to float8 lost"),
+)
+_FRACTIONS = {"underflow", "overflow", "lhs_float8_underflow", "rhs_float8_underflow"}
+
+
+def format_precision_stats(stats: Mapping[str, Mapping[str, Any]]) -> str:
+    """:func:`precision_stats`' figures as a table: one matmul or convolution a row, in
+    the order of ``stats``; amaxes to four significant digits, fractions as percentages;
+    the float8 columns only when a float8 matmul is present, ``-`` for the others'
+    and ``n/a`` where an operand was not cast in the function. The figures must be
+    concrete: format what a jitted function returned, outside it.
+
+    >>> import jax, jax.numpy as jnp, jaxscale
+    >>> def layer(w, x):
+    ...     return jnp.sum(jaxscale.autocast(lambda w, x: x @ w)(w, x).astype(jnp.float32))
+    >>> _, stats = jax.jit(jaxscale.precision_stats(layer))(
+    ...     jnp.full((2, 2), 300.0), jnp.ones((1, 2)))
+    >>> print(jaxscale.format_precision_stats(stats).split("\\n")[0].split())
+    ['matmul', 'lhs', 'amax', 'rhs', 'amax', 'out', 'amax', 'underflow', 'overflow']
+    >>> print(jaxscale.format_precision_stats(stats).split("\\n")[1].split()[-5:])
+    ['1', '300', '600', '0.00%', '0.00%']
+    """
+    if not isinstance(stats, Mapping):
+        raise TypeError(
+            "format_precision_stats expects the stats dict precision_stats returned, got "
+            f"{type(stats).__name__}"
+        )
+    for key, figures in stats.items():
+        if any(is_traced(value) for value in figures.values()):
+            raise TypeError(
+                f"format_precision_stats needs concrete figures, but {key!r}'s are traced: "
+                "return the stats from the jitted function and format them outside it"
+            )
+    float8 = any("lhs_float8_underflow" in figures for figures in stats.values())
+    columns = [
+        c
+        for c in _COLUMNS
+        if float8 or c[0] not in ("lhs_float8_underflow", "rhs_float8_underflow")
+    ]
+
+    def cell(figures: Mapping[str, Any], name: str) -> str:
+        if name not in figures:
+            return "-"
+        value = float(figures[name])
+        if math.isnan(value):
+            return "n/a"
+        return f"{100 * value:.2f}%" if name in _FRACTIONS else f"{value:.4g}"
+
+    rows = [["matmul", *[title for _, title in columns]]]
+    rows += [[key, *[cell(figures, name) for name, _ in columns]] for key, figures in stats.items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(
+            [
+                row[0].ljust(widths[0]),
+                *[c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)],
+            ]
+        ).rstrip()
+        for row in rows
+    )
 
 
 def _report(acc: dict[str, jax.Array], float8: bool) -> dict[str, jax.Array]:

@@ -487,6 +487,29 @@ def test_the_first_of_two_faults_in_evaluation_order():
     expect(report, "forward", "log", line_of(two_faults), "inf", "float32")
 
 
+def float8_layer(w, x):
+    y = x @ w  # <- origin
+    return jnp.sum(y.astype(jnp.float32)) * 1e4
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_an_overflow_in_a_float8_matmul_is_named_as_the_matmul_not_its_output_cast(recipe):
+    # the float8 product is float32; it overflows in its cast to float16
+    fn = jaxscale.autocast(float8_layer, dtype=F16, float8=recipe)
+    big, small = jnp.full((32, 32), 100.0), jnp.full((16, 32), 100.0)
+    _, report = located(fn, big, small)
+    expect(report, "forward", "float8 dot_general", line_of(float8_layer), "inf", "float16")
+    # the backward matmul: a cotangent of 1e4 times 32 ones
+    _, report = located(jax.grad(fn), jnp.ones((32, 32)), jnp.ones((16, 32)))
+    expect(report, "backward", "float8 dot_general", line_of(float8_layer), "inf", "float16")
+
+
+def test_an_mx_matmul_overflows_in_its_own_dot_general():
+    fn = jaxscale.autocast(float8_layer, dtype=F16, float8="mxfp8")
+    _, report = located(fn, jnp.full((32, 32), 100.0), jnp.full((32, 32), 100.0))
+    expect(report, "forward", "dot_general", line_of(float8_layer), "inf", "float16")
+
+
 # -- nothing found, and what the report is --------------------------------------------------
 
 

@@ -239,3 +239,53 @@ def test_quantize_float8_casts_in_one_call_named_for_precision_stats():
     jaxpr = jax.make_jaxpr(lambda x: jaxscale.quantize_float8(x)[0])(jnp.ones(4))
     names = [e.params["name"] for e in jaxpr.eqns if e.primitive.name == "jit"]
     assert names.count(FLOAT8_CAST) == 1
+
+
+# -- the printed form ------------------------------------------------------------------------
+
+
+def test_the_printed_form_is_a_table_of_the_figures():
+    w = jnp.array([[4e4, 1.0], [4e4, 1.0]], F32)
+    _, stats = jax.jit(jaxscale.precision_stats(jaxscale.autocast(projection)))(w, jnp.ones((1, 2)))
+    lines = jaxscale.format_precision_stats(stats).splitlines()
+    assert lines[0].split() == [
+        "matmul", "lhs", "amax", "rhs", "amax", "out", "amax", "underflow", "overflow",
+    ]  # fmt: skip
+    key = f"{line_of(projection)} dot_general forward (float16)"
+    assert lines[1].startswith(key)
+    assert lines[1][len(key) :].split() == ["1", "4e+04", "2", "0.00%", "50.00%"]
+    # the columns line up: each figure ends where its title ends
+    assert [len(line) for line in lines] == [len(lines[0])] * 2
+
+
+def float8_and_half(w, x):
+    h = jaxscale.autocast(lambda w, x: x @ w, float8="tensorwise")(w, x)
+    y = jaxscale.autocast(lambda w, x: x @ w)(w, x)  # <- measured
+    return jnp.sum(h.astype(F32)) + jnp.sum(y.astype(F32))
+
+
+def test_the_float8_columns_appear_with_a_float8_matmul_and_dash_for_the_others():
+    _, stats = jaxscale.precision_stats(float8_and_half)(
+        jnp.full((32, 32), 3.0), jnp.ones((16, 32))
+    )
+    lines = jaxscale.format_precision_stats(stats).splitlines()
+    assert lines[0].endswith("lhs to float8 lost  rhs to float8 lost")
+    half = next(line for line in lines if "(float16)" in line)
+    assert half.split()[-2:] == ["-", "-"]
+    float8 = next(line for line in lines if "float8_e4m3fn @ float8_e4m3fn" in line)
+    assert float8.split()[-2:] == ["0.00%", "0.00%"]
+    # an operand not cast in the function: n/a
+    figures = {"k": {**stats[next(iter(stats))], "lhs_float8_underflow": jnp.float32(np.nan),
+                     "rhs_float8_underflow": jnp.float32(0.0)}}  # fmt: skip
+    assert jaxscale.format_precision_stats(figures).splitlines()[1].split()[-2:] == ["n/a", "0.00%"]
+
+
+def test_the_printed_form_refuses_traced_figures_and_names_the_fix():
+    def inside(w, x):
+        _, stats = jaxscale.precision_stats(jaxscale.autocast(projection))(w, x)
+        return jaxscale.format_precision_stats(stats)
+
+    with pytest.raises(TypeError, match="return the stats from the jitted function"):
+        jax.jit(inside)(jnp.ones((2, 2)), jnp.ones((1, 2)))
+    with pytest.raises(TypeError, match="expects the stats dict precision_stats returned"):
+        jaxscale.format_precision_stats([1, 2])
