@@ -86,16 +86,9 @@ def _inline_call(
 
 
 @_register("xla_metadata_call")  # JAX 0.11 and later
-def _xla_metadata_call(
-    autocaster: Autocaster,
-    eqn: Any,
-    invals: list[Any],
-    in_tags: list[Tag],
-    *,
-    ad_metadata: Any,
-    xla_metadata: Any,
-    **_: Any,
-) -> Result:
+def _xla_metadata_call(autocaster: Autocaster, eqn: Any, invals: list[Any],
+                       in_tags: list[Tag], *, ad_metadata: Any, xla_metadata: Any,
+                       **_: Any) -> Result:  # fmt: skip
     # jax.experimental.xla_metadata.xla_metadata_call: the call is rebuilt with the same
     # metadata around the function under autocast, so the attributes still reach the
     # operations XLA compiles for it
@@ -115,16 +108,9 @@ def _xla_metadata_call(
 
 
 @_register("compute_on")
-def _compute_on(
-    autocaster: Autocaster,
-    eqn: Any,
-    invals: list[Any],
-    in_tags: list[Tag],
-    *,
-    compute_type: Any,
-    out_memory_spaces: Any,
-    **params: Any,
-) -> Result:
+def _compute_on(autocaster: Autocaster, eqn: Any, invals: list[Any],
+                in_tags: list[Tag], *, compute_type: Any, out_memory_spaces: Any,
+                **params: Any) -> Result:  # fmt: skip
     # jax.experimental.compute_on's function form (host offloading): the call is rebuilt
     # with the same compute type, output memory spaces and compiler options around the
     # function under autocast, so its operations still run where they were placed
@@ -139,15 +125,8 @@ def _compute_on(
 
 
 @_register("fused_call")
-def _fused(
-    autocaster: Autocaster,
-    eqn: Any,
-    invals: list[Any],
-    in_tags: list[Tag],
-    *,
-    out_spaces: Any,
-    **_: Any,
-) -> Result:
+def _fused(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag], *,
+           out_spaces: Any, **_: Any) -> Result:  # fmt: skip
     # jax.experimental.fused: a function XLA must compile as one GPU kernel, rebuilt
     # with the same output memory spaces around the function under autocast
     from jax.experimental.fused import fused
@@ -172,17 +151,8 @@ def _as_traced(
 
 
 @_register("composite")
-def _composite(
-    autocaster: Autocaster,
-    eqn: Any,
-    invals: list[Any],
-    in_tags: list[Tag],
-    *,
-    attributes: Any,
-    name: str,
-    version: int,
-    **_: Any,
-) -> Result:
+def _composite(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag],
+               *, attributes: Any, name: str, version: int, **_: Any) -> Result:  # fmt: skip
     # lax.composite: a named operation defined by its decomposition, which a compiler
     # may replace by a kernel of its own. Autocast casts inside the decomposition, as
     # inside any function, and the result is again a composite of the same name,
@@ -199,18 +169,9 @@ def _composite(
 
 
 @_register("scan")
-def _scan(
-    autocaster: Autocaster,
-    eqn: Any,
-    invals: list[Any],
-    in_tags: list[Tag],
-    *,
-    jaxpr: Any,
-    length: int,
-    reverse: bool,
-    unroll: Any,
-    **params: Any,
-) -> Result:
+def _scan(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag], *,
+          jaxpr: Any, length: int, reverse: bool, unroll: Any,
+          **params: Any) -> Result:  # fmt: skip
     body = jaxpr
     consts, init, xs = scan_operand_groups(params, invals)
     const_tags, _, xs_tags = scan_operand_groups(params, in_tags)
@@ -237,18 +198,9 @@ def _scan(
 
 
 @_register("while")
-def _while(
-    autocaster: Autocaster,
-    eqn: Any,
-    invals: list[Any],
-    in_tags: list[Tag],
-    *,
-    cond_jaxpr: Any,
-    body_jaxpr: Any,
-    cond_nconsts: int,
-    body_nconsts: int,
-    **_: Any,
-) -> Result:
+def _while(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag], *,
+           cond_jaxpr: Any, body_jaxpr: Any, cond_nconsts: int, body_nconsts: int,
+           **_: Any) -> Result:  # fmt: skip
     cond, body = cond_jaxpr, body_jaxpr
     cond_consts = invals[:cond_nconsts]
     rest = invals[cond_nconsts:]
@@ -268,15 +220,8 @@ def _while(
 
 
 @_register("cond")
-def _cond(
-    autocaster: Autocaster,
-    eqn: Any,
-    invals: list[Any],
-    in_tags: list[Tag],
-    *,
-    branches: Any,
-    **_: Any,
-) -> Result:
+def _cond(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag], *,
+          branches: Any, **_: Any) -> Result:  # fmt: skip
     index, operands = invals[0], invals[1:]
 
     def branch_fn(closed: Any) -> Any:
@@ -305,17 +250,8 @@ def _cond(
 
 
 @_register("remat2")  # jax.checkpoint, nnx.remat
-def _remat(
-    autocaster: Autocaster,
-    eqn: Any,
-    invals: list[Any],
-    in_tags: list[Tag],
-    *,
-    jaxpr: Any,
-    prevent_cse: bool,
-    policy: Any,
-    **_: Any,
-) -> Result:
+def _remat(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag], *,
+           jaxpr: Any, prevent_cse: bool, policy: Any, **_: Any) -> Result:  # fmt: skip
     def body(*args: Any) -> list[Any]:
         return autocaster.eval_in_place_of(jaxpr, [], args, invals, in_tags)
 
@@ -324,16 +260,9 @@ def _remat(
 
 
 @_register("custom_jvp_call")
-def _custom_jvp(
-    autocaster: Autocaster,
-    eqn: Any,
-    invals: list[Any],
-    in_tags: list[Tag],
-    *,
-    call_jaxpr: Any,
-    symbolic_zeros: bool,
-    **_: Any,
-) -> Result:
+def _custom_jvp(autocaster: Autocaster, eqn: Any, invals: list[Any],
+                in_tags: list[Tag], *, call_jaxpr: Any, symbolic_zeros: bool,
+                **_: Any) -> Result:  # fmt: skip
     # The primal runs under autocast now; the user's JVP rule runs under autocast when
     # JAX differentiates, and only then, with the tangents JAX gives it (symbolic
     # zeros where it has them), as JAX would run the rule itself.
@@ -378,17 +307,9 @@ def _custom_jvp(
 
 
 @_register("custom_vmap_call")
-def _custom_vmap(
-    autocaster: Autocaster,
-    eqn: Any,
-    invals: list[Any],
-    in_tags: list[Tag],
-    *,
-    call: Any,
-    rule: Any,
-    in_tree: Any,
-    **_: Any,
-) -> Result:
+def _custom_vmap(autocaster: Autocaster, eqn: Any, invals: list[Any],
+                 in_tags: list[Tag], *, call: Any, rule: Any, in_tree: Any,
+                 **_: Any) -> Result:  # fmt: skip
     # jax.custom_batching.custom_vmap (and sequential_vmap): the function runs under
     # autocast now; the user's batching rule runs under autocast when JAX batches it,
     # and only then, traced at the dtypes it was written for, as the function was. Its
@@ -428,16 +349,9 @@ def _custom_vmap(
 
 
 @_register("custom_vjp_call")
-def _custom_vjp(
-    autocaster: Autocaster,
-    eqn: Any,
-    invals: list[Any],
-    in_tags: list[Tag],
-    *,
-    call_jaxpr: Any,
-    symbolic_zeros: bool,
-    **_: Any,
-) -> Result:
+def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any],
+                in_tags: list[Tag], *, call_jaxpr: Any, symbolic_zeros: bool,
+                **_: Any) -> Result:  # fmt: skip
     # The primal runs under autocast now; the user's forward and backward rules run
     # under autocast when JAX differentiates, and only then, with the perturbation
     # flags and symbolic zero cotangents JAX gives them.
@@ -565,18 +479,9 @@ def _tangent_aval(aval: Any) -> Any:
 
 
 @_register("shard_map")
-def _shard_map(
-    autocaster: Autocaster,
-    eqn: Any,
-    invals: list[Any],
-    in_tags: list[Tag],
-    *,
-    jaxpr: Any,
-    mesh: Any,
-    in_specs: Any,
-    out_specs: Any,
-    **params: Any,
-) -> Result:
+def _shard_map(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag],
+               *, jaxpr: Any, mesh: Any, in_specs: Any, out_specs: Any,
+               **params: Any) -> Result:  # fmt: skip
     def body(*args: Any) -> tuple[Any, ...]:
         return tuple(autocaster.eval_in_place_of(jaxpr, [], args, invals, in_tags))
 

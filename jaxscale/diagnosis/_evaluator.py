@@ -209,16 +209,9 @@ def _inner_place(eqn: Any, here: Location) -> Location | None:
 
 
 @_rule("jit", "closed_call")  # closed_call: JAX 0.10 only
-def _inline(
-    evaluator: CarryingEvaluator,
-    eqn: Any,
-    invals: list[Any],
-    carry: Any,
-    iteration: Any,
-    phase: Phase,
-    here: Location,
-    **params: Any,
-) -> tuple[list[Any], Any]:
+def _inline(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
+            iteration: Any, phase: Phase, here: Location,
+            **params: Any) -> tuple[list[Any], Any]:  # fmt: skip
     jaxpr, consts = called_program(eqn)
     return evaluator.eval(
         jaxpr, consts, invals, carry, iteration,
@@ -227,16 +220,9 @@ def _inline(
 
 
 @_rule("scan")
-def _scan(
-    evaluator: CarryingEvaluator,
-    eqn: Any,
-    invals: list[Any],
-    carry: Any,
-    iteration: Any,
-    phase: Phase,
-    here: Location,
-    **params: Any,
-) -> tuple[list[Any], Any]:
+def _scan(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
+          iteration: Any, phase: Phase, here: Location,
+          **params: Any) -> tuple[list[Any], Any]:  # fmt: skip
     body = params["jaxpr"]
     consts, init, xs = scan_operand_groups(params, invals)
     first_x = [x[0] for x in xs]
@@ -262,16 +248,9 @@ def _scan(
 
 
 @_rule("while")
-def _while(
-    evaluator: CarryingEvaluator,
-    eqn: Any,
-    invals: list[Any],
-    carry: Any,
-    iteration: Any,
-    phase: Phase,
-    here: Location,
-    **params: Any,
-) -> tuple[list[Any], Any]:
+def _while(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
+           iteration: Any, phase: Phase, here: Location,
+           **params: Any) -> tuple[list[Any], Any]:  # fmt: skip
     cond, body = params["cond_jaxpr"], params["body_jaxpr"]
     cond_consts = invals[: params["cond_nconsts"]]
     rest = invals[params["cond_nconsts"] :]
@@ -295,16 +274,9 @@ def _while(
 
 
 @_rule("cond")
-def _cond(
-    evaluator: CarryingEvaluator,
-    eqn: Any,
-    invals: list[Any],
-    carry: Any,
-    iteration: Any,
-    phase: Phase,
-    here: Location,
-    **params: Any,
-) -> tuple[list[Any], Any]:
+def _cond(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
+          iteration: Any, phase: Phase, here: Location,
+          **params: Any) -> tuple[list[Any], Any]:  # fmt: skip
     index, operands = invals[0], invals[1:]
 
     def branch(closed: Any) -> Callable[..., Any]:
@@ -327,16 +299,9 @@ def _cond(
 
 
 @_rule("remat2")  # jax.checkpoint, nnx.remat
-def _remat(
-    evaluator: CarryingEvaluator,
-    eqn: Any,
-    invals: list[Any],
-    carry: Any,
-    iteration: Any,
-    phase: Phase,
-    here: Location,
-    **params: Any,
-) -> tuple[list[Any], Any]:
+def _remat(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
+           iteration: Any, phase: Phase, here: Location,
+           **params: Any) -> tuple[list[Any], Any]:  # fmt: skip
     jaxpr = params["jaxpr"]
 
     def body(carry: Any, iteration: Any, *args: Any) -> tuple[list[Any], Any]:
@@ -348,16 +313,9 @@ def _remat(
 
 
 @_rule("custom_jvp_call", "custom_vjp_call")
-def _custom(
-    evaluator: CarryingEvaluator,
-    eqn: Any,
-    invals: list[Any],
-    carry: Any,
-    iteration: Any,
-    phase: Phase,
-    here: Location,
-    **params: Any,
-) -> tuple[list[Any], Any]:
+def _custom(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: Any,
+            iteration: Any, phase: Phase, here: Location,
+            **params: Any) -> tuple[list[Any], Any]:  # fmt: skip
     # The equation is bound as traced, so its rules stay for a differentiation outside;
     # its body is evaluated beside it for the carry (XLA computes the common part once).
     outs = bind_in_context(eqn, invals)
