@@ -26,11 +26,14 @@ def internals_read(source: str) -> list[str]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Attribute) and node.attr == "params":
             owner = ast.unparse(node.value)
-            if "eqn" in owner or "call" == owner or owner.endswith("equation"):
+            if "eqn" in owner or owner == "call" or owner.endswith("equation"):
                 found.append(f"line {node.lineno}: {ast.unparse(node)}")
-        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute):
-            if node.value.attr == "params":
-                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        if (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "params"
+        ):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             names += [alias.name for alias in node.names]
