@@ -23,6 +23,7 @@ from jaxscale.optim._blockwise import (
 )
 from jaxscale.optim._kahan import KahanSummationState
 from jaxscale.optim._master_weights import MasterWeightsState
+from jaxscale.optim._variables import holding, is_variable, sharding_names, value_of
 from jaxscale.optim._wrapping import validated_inner
 
 BFLOAT16 = np.dtype(jnp.bfloat16)
@@ -108,20 +109,25 @@ def low_precision_state(
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
 
-    def store(path: tuple[Any, ...], leaf: Any) -> Any:
+    def store(path: tuple[Any, ...], node: Any) -> Any:
+        # a leaf of Flax NNX's state arrives in a variable: the variables go inside a
+        # BlockQuantized, which Flax then updates field by field (see _variables)
+        leaf = value_of(node)
         if not _is_floating_array(leaf):
-            return leaf
+            return node
         if fmt is BFLOAT16:
-            return leaf.astype(BFLOAT16) if leaf.ndim else leaf
+            return holding(node, leaf.astype(BFLOAT16)) if leaf.ndim else node
         if leaf.size < SMALLEST_QUANTIZED or leaf.size % block_size:
-            return leaf
+            return node
+        codes, scale = quantize_blockwise(leaf, fmt, block_size=block_size, signed=_signed(path))
         return BlockQuantized(
-            *quantize_blockwise(leaf, fmt, block_size=block_size, signed=_signed(path))
+            holding(node, codes), holding(node, scale, out_sharding=_scale_sharding(node))
         )
 
     def load(path: tuple[Any, ...], leaf: Any) -> Any:
         if isinstance(leaf, BlockQuantized):
-            return dequantize_blockwise(leaf.codes, leaf.scale, fmt, signed=_signed(path))
+            codes, scale = value_of(leaf.codes), value_of(leaf.scale)
+            return dequantize_blockwise(codes, scale, fmt, signed=_signed(path))
         if fmt is BFLOAT16 and _is_floating_array(leaf) and leaf.dtype == BFLOAT16 and leaf.ndim:
             return leaf.astype(jnp.float32)
         return leaf
@@ -142,6 +148,15 @@ def low_precision_state(
         return new_updates, LowPrecisionState(stored)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _scale_sharding(node: Any) -> tuple[Any, ...] | None:
+    """The sharding names of a leaf's scales: they run along the flattened leaf, so they
+    shard as its first axis does when no other axis is sharded."""
+    names = sharding_names(node)
+    if names is None:
+        return None
+    return (names[0] if all(name is None for name in names[1:]) else None,)
 
 
 def _is_bfloat16(dtype: Any) -> bool:
@@ -168,7 +183,7 @@ def _statistics_map(fn: Any, state: Any, path: tuple[Any, ...] = ()) -> Any:
     ``state``, except the parameter side of jaxscale's own states."""
 
     def is_leaf(node: Any) -> bool:
-        return isinstance(node, (BlockQuantized, *_PARAMETER_SIDE))
+        return isinstance(node, (BlockQuantized, *_PARAMETER_SIDE)) or is_variable(node)
 
     def visit(subpath: tuple[Any, ...], node: Any) -> Any:
         if not isinstance(node, _PARAMETER_SIDE):
