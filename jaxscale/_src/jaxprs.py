@@ -360,6 +360,111 @@ def _call_params(n_in: int, n_out: int, mesh: Any) -> dict[str, Any]:
     return {key: value for key, value in call.params.items() if key not in ("jaxpr", "name")}
 
 
+# --- A program flattened to primitives, to evaluate on values of other shapes ---------
+
+
+def flattened_program(closed: Any) -> tuple[list[Any], list[Any], list[Any], dict[Any, Any]]:
+    """``(invars, outvars, equations, constants)``: ``closed`` with every call inlined.
+
+    The programs of ``jit`` and ``closed_call`` equations, and the primal programs of
+    ``custom_jvp_call`` and ``custom_vjp_call`` (what they compute, which is all an
+    evaluation needs), are spliced in, their variables renamed; ``constants`` maps each
+    constant variable (``closed``'s own and those of the programs inlined) to its value.
+    """
+    constants: dict[Any, Any] = {}
+    substitution: dict[Any, Any] = {}
+    for var, value in zip(closed.jaxpr.constvars, closed.consts, strict=True):
+        substitution[var] = fresh_variable(var.aval)
+        constants[substitution[var]] = value
+    invars = []
+    for var in closed.jaxpr.invars:
+        substitution[var] = fresh_variable(var.aval)
+        invars.append(substitution[var])
+    equations = _flattened_equations(closed.jaxpr, substitution, constants)
+    outvars = [substituted(var, substitution) for var in closed.jaxpr.outvars]
+    return invars, outvars, equations, constants
+
+
+def _inlined_program(eqn: Any) -> Any:
+    """The program a call-like equation runs, to splice in; ``None`` for other equations."""
+    name = eqn.primitive.name
+    if name == "jit":
+        return eqn.params["jaxpr"]
+    if name in ("closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"):
+        return eqn.params["call_jaxpr"]
+    return None
+
+
+def _flattened_equations(
+    jaxpr: Any, substitution: dict[Any, Any], constants: dict[Any, Any]
+) -> list[Any]:
+    equations = []
+    for eqn in jaxpr.eqns:
+        invars = [substituted(var, substitution) for var in eqn.invars]
+        program = _inlined_program(eqn)
+        if program is not None:
+            inner, consts = (
+                (program.jaxpr, program.consts)
+                if isinstance(program, ClosedJaxpr)
+                else (program, ())
+            )
+            inner_substitution: dict[Any, Any] = dict(zip(inner.invars, invars, strict=True))
+            for var, value in zip(inner.constvars, consts, strict=True):
+                inner_substitution[var] = fresh_variable(var.aval)
+                constants[inner_substitution[var]] = value
+            equations += _flattened_equations(inner, inner_substitution, constants)
+            for outer, returned in zip(eqn.outvars, inner.outvars, strict=True):
+                if is_variable(outer):
+                    substitution[outer] = substituted(returned, inner_substitution)
+            continue
+        outvars = []
+        for var in eqn.outvars:
+            if is_variable(var):
+                substitution[var] = fresh_variable(var.aval)
+                var = substitution[var]
+            outvars.append(var)
+        equations.append(eqn.replace(invars=invars, outvars=outvars))
+    return equations
+
+
+def parameters_for_shape(eqn: Any, shape: tuple[int, ...]) -> dict[str, Any]:
+    """An elementwise equation's parameters to bind it on operands of ``shape``: a
+    broadcast of a scalar broadcasts to ``shape``, and no sharding is kept (it names the
+    traced shape's axes)."""
+    changes: dict[str, Any] = {
+        key: None for key in ("sharding", "out_sharding") if key in eqn.params
+    }
+    if eqn.primitive.name == "broadcast_in_dim":
+        changes.update(shape=tuple(shape), broadcast_dimensions=())
+    return parameters_to_bind(eqn, **changes)
+
+
+def filled_value(equations: Sequence[Any], var: Any) -> np.ndarray | None:
+    """The one value every element of ``var`` holds when ``equations`` make it by
+    broadcasting (and converting) a literal, as ``jnp.zeros`` and ``jnp.full`` do;
+    ``None`` for anything else. ``equations`` is a flattened program's."""
+    producers = {out: eqn for eqn in equations for out in eqn.outvars if is_variable(out)}
+    atom = var
+    conversions = []
+    while is_variable(atom):
+        eqn = producers.get(atom)
+        if eqn is None:
+            return None
+        name = eqn.primitive.name
+        if name == "broadcast_in_dim" and not eqn.invars[0].aval.shape:
+            atom = eqn.invars[0]
+        elif name in ("convert_element_type", "copy", "copy_p"):
+            if name == "convert_element_type":
+                conversions.append(eqn.params["new_dtype"])
+            atom = eqn.invars[0]
+        else:
+            return None
+    value = literal_value(atom)
+    for dtype in reversed(conversions):
+        value = value.astype(dtype)
+    return np.asarray(value.astype(var.aval.dtype))
+
+
 def identity_primitive(name: str) -> Any:
     """A primitive that returns its one operand unchanged, under every transformation
     (evaluation, lowering, differentiation, ``vmap``): a mark a transform can find in a

@@ -148,3 +148,25 @@ def optimizer_problem(inner: Any, wrapper: str) -> TypeError | None:
         f"{wrapper} wraps an Optax optimizer (an object with init and update), got "
         f"{type(inner).__name__} {inner!r}"
     )
+
+
+def dtype_name(dtype: Any) -> str | None:
+    """The name of a dtype given as an object or as its name (``jnp.bfloat16``,
+    ``np.dtype("float16")``, ``"bfloat16"``, ``"float8_e4m3fn"``), or a string that names
+    none (lowercased, for a caller's own names); ``None`` for anything else."""
+    if isinstance(dtype, str):
+        try:
+            return np.dtype(dtype).name
+        except TypeError:
+            return dtype.lower()
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return None
+
+
+def dtype_choice(dtype: Any, choices: dict[str, str]) -> str | None:
+    """The entry of ``choices`` (names to what they mean) that ``dtype`` names, given as a
+    dtype object or its name; ``None`` where it names none."""
+    name = dtype_name(dtype)
+    return None if name is None else choices.get(name)

@@ -12,17 +12,36 @@ scale:
   1e-12)``, ``x / scale`` in [-1, 1] looked up in a 256-entry dynamic map (signed for
   first moments, unsigned for second moments) and stored as the ``uint8`` index of
   the nearest entry (ties up); ``x ≈ map[codes] * scale``.
+* ``"int4"`` (torchao's ``OptimState4bit``, after Li et al. 2023): as ``"int8"`` with
+  16-entry maps (the signed dynamic map of 3 exponent bits; ``linspace(0, 1, 17)[1:]``
+  for second moments, which has no zero) in blocks of 128, two codes per byte (the
+  first of each pair in the high nibble).
 
-Every quotient is one correctly rounded float32 division, as in torch. XLA's
-algebraic simplifier rewrites a division by a constant or by a broadcast value into
-a multiplication by its reciprocal, which lands one ulp off in about a third of
-cases, so the divisor is materialised behind an optimisation barrier that the
-simplifier cannot see through.
+Layout. The codes keep the tensor's shape (``"int4"``: its last axis halved, which
+must be even). The scales keep the tensor's leading axes: ``shape[:k] +
+(blocks,)`` for the largest ``k`` whose trailing axes ``shape[k:]`` hold a whole number
+of blocks, so a tensor sharded along a leading axis has its scales sharded with it and
+the layout does not depend on the mesh. In row-major order they are torchao's flat
+scales. A tensor whose size is not a multiple of the block (which torchao leaves in
+float32) may be quantized with ``partial_blocks=True``: along its trailing axes
+``shape[k:]`` (the fewest that hold a block), each row of them cut into blocks, the
+last one shorter, scales of shape ``shape[:k] + (blocks per row,)``.
+
+Arithmetic. Every quotient is one correctly rounded float32 division, as in torch.
+XLA's algebraic simplifier turns a division by a constant or by a broadcast value into
+a multiplication by its reciprocal, which lands one ulp off in about a third of cases:
+a scale is divided out of a block through a select the simplifier cannot see through
+(a NaN divides by one, which keeps it NaN), and a block's scale is computed from a
+constant held behind an optimization barrier. The nearest map entry is found from
+exact float32 decision thresholds, computed here once from torchao's rounding rule
+(``residual >= (up - down) * 0.5``), in place of torchao's binary search.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -30,62 +49,367 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale._src.validation import dtype_choice
 from jaxscale.optim import _dynamic_maps
 
 INT8 = "int8"
-FLOAT8 = np.dtype(jnp.float8_e4m3fn)
+INT4 = "int4"
+FLOAT8 = "float8_e4m3fn"
 _EPS = np.float32(1e-12)
 _FLOAT8_MAX = np.float32(448.0)
 
 
-def format_of(dtype: Any) -> Any:
-    """``"int8"`` or ``float8_e4m3fn``: the block-wise formats; ValueError for others."""
-    if isinstance(dtype, str):
-        if dtype == INT8:
-            return INT8
-    else:
-        try:
-            if np.dtype(dtype) == FLOAT8:
-                return FLOAT8
-        except TypeError:
-            pass
-    raise ValueError(f'block-wise quantization stores jnp.float8_e4m3fn or "int8", got {dtype!r}')
+@dataclasses.dataclass(frozen=True)
+class BlockFormat:
+    """A block-wise format: its name, torchao's block size, and its bits per value."""
+
+    name: str
+    block_size: int
+    bits: int
+
+    @property
+    def code_dtype(self) -> Any:
+        return jnp.float8_e4m3fn if self.name == FLOAT8 else jnp.uint8
+
+    def table(self, signed: bool) -> np.ndarray:
+        """The map of an integer format, as float32."""
+        if self.name == INT8:
+            return _dynamic_maps.SIGNED if signed else _dynamic_maps.UNSIGNED
+        return _dynamic_maps.SIGNED_4BIT if signed else _dynamic_maps.UNSIGNED_4BIT
 
 
-def qmap(signed: bool) -> np.ndarray:
-    return _dynamic_maps.SIGNED if signed else _dynamic_maps.UNSIGNED
+FORMATS = {
+    INT8: BlockFormat(INT8, 256, 8),
+    FLOAT8: BlockFormat(FLOAT8, 256, 8),
+    INT4: BlockFormat(INT4, 128, 4),
+}
+# the names of the formats (the dtypes jnp.int8, jnp.int4 and jnp.float8_e4m3fn have them)
+_NAMES = {INT8: INT8, FLOAT8: FLOAT8, INT4: INT4}
 
 
-def divide_exactly(numerator: jax.Array, denominator: Any) -> jax.Array:
-    """``numerator / denominator`` correctly rounded, ``denominator`` broadcast first:
-    see the module's notes."""
+def format_of(dtype: Any, name: str = "dtype") -> BlockFormat:
+    """The block format ``dtype`` names: ``"int8"``, ``"int4"`` or ``"float8_e4m3fn"``, as a
+    string or as a dtype (``jnp.int8``, ``jnp.int4``, ``jnp.float8_e4m3fn``); a
+    ``ValueError`` that lists them for anything else."""
+    key = dtype_choice(dtype, _NAMES)
+    if key is None:
+        raise ValueError(
+            f"{name} must be one of the block-wise formats 'int8', 'int4' or 'float8_e4m3fn' "
+            f"(the strings or jnp.int8, jnp.int4, jnp.float8_e4m3fn), got {dtype!r}"
+        )
+    return FORMATS[key]
+
+
+# -- layout -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockLayout:
+    """How a tensor of ``shape`` is cut into blocks.
+
+    The tensor is read as ``rows`` rows of ``row_length`` elements (row-major), each row
+    cut into ``blocks_per_row`` blocks of ``block_size`` (its last one shorter when
+    ``row_length`` is not a multiple). The scales are stored as ``scale_shape`` and read
+    as ``(rows, blocks_per_row)``.
+    """
+
+    shape: tuple[int, ...]
+    block_size: int
+    rows: int
+    row_length: int
+    blocks_per_row: int
+    scale_shape: tuple[int, ...]
+
+    @property
+    def padded(self) -> bool:
+        return self.row_length != self.blocks_per_row * self.block_size
+
+
+def block_layout(
+    shape: tuple[int, ...], block_size: int, *, partial_blocks: bool = False
+) -> BlockLayout | None:
+    """The layout of a tensor of ``shape`` in blocks of ``block_size`` (see the module's
+    notes); ``None`` when its size is not a multiple of the block and ``partial_blocks``
+    is false, or when it is empty."""
+    shape = tuple(int(d) for d in shape)
+    size = math.prod(shape)
+    if size == 0:
+        return None
+    if size % block_size == 0:
+        k = max(k for k in range(len(shape) or 1) if math.prod(shape[k:]) % block_size == 0)
+        blocks = size // block_size
+        return BlockLayout(
+            shape,
+            block_size,
+            blocks,
+            block_size,
+            1,
+            (*shape[:k], math.prod(shape[k:]) // block_size),
+        )
+    if not partial_blocks:
+        return None
+    candidates = [k for k in range(len(shape)) if math.prod(shape[k:]) >= block_size]
+    k = max(candidates) if candidates else 0
+    row_length = math.prod(shape[k:])
+    per_row = -(-row_length // block_size)
+    return BlockLayout(
+        shape, block_size, math.prod(shape[:k]), row_length, per_row, (*shape[:k], per_row)
+    )
+
+
+def codes_shape(shape: tuple[int, ...], fmt: BlockFormat) -> tuple[int, ...]:
+    """The stored codes' shape: the tensor's (``"int4"``: its last axis halved)."""
+    if fmt.bits == 8:
+        return tuple(shape)
+    return (*shape[:-1], shape[-1] // 2)
+
+
+def value_shape(codes_shape: tuple[int, ...], fmt: BlockFormat) -> tuple[int, ...]:
+    """The tensor's shape, from its stored codes' shape."""
+    if fmt.bits == 8:
+        return tuple(codes_shape)
+    return (*codes_shape[:-1], 2 * codes_shape[-1])
+
+
+def quantizable(layout: BlockLayout | None, fmt: BlockFormat) -> bool:
+    """Whether ``fmt`` can store a tensor of ``layout``: ``"int4"`` packs neighbours along
+    the last axis in pairs, so that axis must be even (torchao packs the flattened
+    tensor, across rows where it is odd; jaxscale keeps such a tensor in float32)."""
+    if layout is None:
+        return False
+    return fmt.bits == 8 or (bool(layout.shape) and layout.shape[-1] % 2 == 0)
+
+
+# -- the arithmetic, on rows --------------------------------------------------------------------
+
+
+def divide_exactly(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
+    """``numerator / denominator`` (the latter broadcast) correctly rounded: see the
+    module's notes. A NaN numerator is divided by one (NaN either way)."""
     denominator = jnp.broadcast_to(denominator, numerator.shape)
-    return numerator / lax.optimization_barrier(denominator)
+    return numerator / jnp.where(jnp.isnan(numerator), np.float32(1), denominator)
+
+
+def divide_by_constant(numerator: jax.Array, constant: np.float32) -> jax.Array:
+    """``numerator / constant`` correctly rounded, for an array of a block's size or less."""
+    held = lax.optimization_barrier(jnp.full(numerator.shape, constant, jnp.float32))
+    return numerator / held
+
+
+def scale_of(amax: jax.Array, fmt: BlockFormat) -> jax.Array:
+    """torchao's block scale from a block's largest magnitude."""
+    clipped = jnp.maximum(amax, _EPS)
+    return divide_by_constant(clipped, _FLOAT8_MAX) if fmt.name == FLOAT8 else clipped
+
+
+def quantize_rows(
+    rows: jax.Array, layout: BlockLayout, fmt: BlockFormat, signed: bool
+) -> tuple[jax.Array, jax.Array]:
+    """Rows of a tensor (``(n, layout.row_length)``, float32) to ``(codes, scale)`` of
+    shapes ``(n, stored row length)`` and ``(n, layout.blocks_per_row)``."""
+    count = rows.shape[0]
+    blocks = _as_blocks(rows, layout)
+    scale = scale_of(jnp.max(jnp.abs(blocks), axis=-1), fmt)
+    normalized = divide_exactly(blocks, scale[..., None])
+    codes = _encode(normalized, fmt, signed)
+    codes = codes.reshape(count, -1)[:, : layout.row_length]
+    return _pack(codes, fmt), scale
+
+
+def dequantize_rows(
+    codes: jax.Array, scale: jax.Array, layout: BlockLayout, fmt: BlockFormat, signed: bool
+) -> jax.Array:
+    """:func:`quantize_rows` undone: float32 rows of ``layout.row_length``."""
+    values = _decode(_unpack(codes, fmt), fmt, signed)
+    count = values.shape[0]
+    per_block = layout.block_size
+    if layout.padded:
+        scale = jnp.broadcast_to(scale[..., None], (*scale.shape, per_block))
+        scale = scale.reshape(count, -1)[:, : layout.row_length]
+        return values * scale
+    blocks = values.reshape(count, layout.blocks_per_row, per_block) * scale[..., None]
+    return blocks.reshape(count, layout.row_length)
+
+
+def _as_blocks(rows: jax.Array, layout: BlockLayout) -> jax.Array:
+    if layout.padded:
+        padding = layout.blocks_per_row * layout.block_size - layout.row_length
+        rows = jnp.pad(rows, ((0, 0), (0, padding)))
+    return rows.reshape(rows.shape[0], layout.blocks_per_row, layout.block_size)
+
+
+def _encode(normalized: jax.Array, fmt: BlockFormat, signed: bool) -> jax.Array:
+    if fmt.name == FLOAT8:
+        return normalized.astype(jnp.float8_e4m3fn)
+    return _nearest_in_map(normalized, fmt.table(signed), signed)
+
+
+def _decode(codes: jax.Array, fmt: BlockFormat, signed: bool) -> jax.Array:
+    if fmt.name == FLOAT8:
+        # a lookup of the 256 values, exactly what a conversion gives: XLA's CPU
+        # backend converts float8 through float16, and inside a loop it hoists that
+        # conversion of a whole loop-invariant array out, a widened copy of the state
+        bits = lax.bitcast_convert_type(codes, jnp.uint8).astype(jnp.int32)
+        return _lookup(_float8_values(), bits)
+    return _lookup(fmt.table(signed), codes.astype(jnp.int32))
+
+
+def _lookup(table: np.ndarray, indices: jax.Array) -> jax.Array:
+    """``table[indices]`` for indices known to be in range (codes index their whole map),
+    which XLA then reads without clamping them."""
+    return jnp.asarray(table).at[indices].get(mode="promise_in_bounds")
+
+
+@functools.cache
+def _float8_values() -> np.ndarray:
+    """The float32 value of each of the 256 ``float8_e4m3fn`` bit patterns."""
+    values = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
+    values.setflags(write=False)
+    return values
+
+
+def _pack(codes: jax.Array, fmt: BlockFormat) -> jax.Array:
+    """4-bit codes two per byte, torchao's ``(codes[::2] << 4) | codes[1::2]``."""
+    if fmt.bits == 8:
+        return codes
+    pairs = codes.reshape(codes.shape[0], -1, 2)
+    return (pairs[..., 0] << 4) | pairs[..., 1]
+
+
+def _unpack(codes: jax.Array, fmt: BlockFormat) -> jax.Array:
+    if fmt.bits == 8:
+        return codes
+    pairs = jnp.stack([codes >> 4, codes & 0xF], axis=-1)
+    return pairs.reshape(codes.shape[0], -1)
+
+
+# -- the nearest map entry ----------------------------------------------------------------------
+
+
+def _ordered_keys(bits: Any) -> Any:
+    """float32 bit patterns (uint32, NumPy or JAX) -> keys in the floats' order: the sign
+    bit set for positive numbers, every bit flipped for negative ones."""
+    sign = bits >> 31  # 1 for negative numbers
+    return bits ^ (np.uint32(0x8000_0000) | (np.uint32(0x7FFF_FFFF) * sign))
+
+
+def _from_key(key: int) -> np.float32:
+    bits = key ^ 0x8000_0000 if key >= 0x8000_0000 else key ^ 0xFFFF_FFFF
+    return np.float32(np.array(bits, np.uint32).view(np.float32).item())
+
+
+@functools.cache
+def decision_thresholds(signed: bool, bits: int = 8) -> np.ndarray:
+    """For each pair of neighbouring map entries ``(v[k], v[k+1])``, the smallest float32
+    ``x`` that torchao's rounding sends to ``k + 1``: the least ``x >= v[k]`` with
+    ``float32(x - v[k]) >= float32(v[k+1] - v[k]) * 0.5``, found by bisection on the
+    floats in between (the test is monotone in ``x``). torchao's code for ``x`` is the
+    number of thresholds at or below it (0 below the map, and for NaN)."""
+    table = FORMATS[INT8 if bits == 8 else INT4].table(signed)
+    keys = _ordered_keys(table.view(np.uint32)).astype(np.int64)
+    found = []
+    for k in range(table.size - 1):
+        low, high = table[k], table[k + 1]
+        half = np.float32(np.float32(high - low) * np.float32(0.5))
+        first, last = int(keys[k]), int(keys[k + 1])
+        while first < last:
+            middle = (first + last) // 2
+            if np.float32(_from_key(middle) - low) >= half:
+                last = middle
+            else:
+                first = middle + 1
+        found.append(_from_key(first))
+    thresholds = np.array(found, np.float32)
+    assert np.all(np.diff(thresholds) > 0)
+    thresholds.setflags(write=False)
+    return thresholds
+
+
+@functools.cache
+def _bucket_table(signed: bool) -> np.ndarray:
+    """For each of the 2**16 buckets of float32 values sharing their key's top 16 bits:
+    the number of thresholds below the bucket (low 8 bits) and the low 16 bits of the
+    key of the one threshold inside it (bits 8 to 24; 2**16 where there is none). A
+    bucket spans 2**16 consecutive floats, 2**-8 to 2**-7 of their magnitude, and holds
+    at most one threshold of either map (checked here), so one comparison finishes."""
+    keys = _ordered_keys(decision_thresholds(signed).view(np.uint32)).astype(np.int64)
+    starts = np.arange(1 << 16, dtype=np.int64) << 16
+    below = np.searchsorted(keys, starts, side="left")
+    inside = np.searchsorted(keys, starts + (1 << 16), side="left") - below
+    assert inside.max() <= 1, "two thresholds in one bucket"
+    low_bits = np.full(1 << 16, 1 << 16, np.int64)
+    buckets = keys >> 16
+    low_bits[buckets] = keys & 0xFFFF
+    table = below | (low_bits << 8)
+    return table.astype(np.int32)
+
+
+def _nearest_in_map(normalized: jax.Array, table: np.ndarray, signed: bool) -> jax.Array:
+    """torchao's ``quantize_8bit_with_qmap`` (or ``quantize_4bit_with_qmap`` for a
+    16-entry ``table``): the last entry ``<= normalized`` (entry 0 below the first, and
+    for NaN), then one step up where ``normalized`` is at least halfway to the next.
+    Computed as the number of :func:`decision_thresholds` at or below the value: for the
+    8-bit maps from the value's bucket (:func:`_bucket_table`) and one comparison, for
+    the 4-bit maps by comparing with all 15."""
+    if table.size == 16:
+        normalized = jnp.where(normalized == 0, np.float32(0.0), normalized)  # -0.0 is 0.0
+        thresholds = decision_thresholds(signed, 4)
+        codes = sum(
+            (normalized >= threshold).astype(jnp.uint8) for threshold in thresholds.tolist()
+        )
+        return jnp.where(jnp.isnan(normalized), 0, codes).astype(jnp.uint8)
+    # On the bits alone, so that the value is read once: XLA's CPU backend, fusing a
+    # division that feeds both a table lookup and float tests, computes it far slower.
+    bits = lax.bitcast_convert_type(normalized, jnp.uint32)
+    magnitude = bits & np.uint32(0x7FFF_FFFF)
+    bits = jnp.where(magnitude == 0, np.uint32(0), bits)  # -0.0 is 0.0
+    keys = _ordered_keys(bits)
+    entry = _lookup(_bucket_table(signed), (keys >> 16).astype(jnp.int32))
+    inside = (keys & 0xFFFF).astype(jnp.int32) >= (entry >> 8)
+    codes = (entry & 0xFF) + inside.astype(jnp.int32)
+    codes = jnp.where(magnitude > np.uint32(0x7F80_0000), 0, codes)  # NaN
+    return codes.astype(jnp.uint8)
+
+
+# -- the public functions -----------------------------------------------------------------------
 
 
 def quantize_blockwise(
-    x: jax.Array, dtype: Any, *, block_size: int = 256, signed: bool = True
+    x: jax.Array,
+    dtype: Any,
+    *,
+    block_size: int | None = None,
+    signed: bool = True,
+    partial_blocks: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """``x`` as block-wise quantized codes and one float32 scale per block: torchao's
-    ``quantize_fp8`` (``dtype=jnp.float8_e4m3fn``) or ``scale_tensor`` followed by
-    ``quantize_8bit_with_qmap`` (``dtype="int8"``), bit for bit.
+    ``quantize_fp8`` (``dtype=jnp.float8_e4m3fn``), or ``scale_tensor`` followed by
+    ``quantize_8bit_with_qmap`` (``"int8"``) or ``quantize_4bit_with_qmap`` and its
+    packing (``"int4"``), bit for bit.
 
     ``x`` is read as float32 and cut into blocks of ``block_size`` consecutive
     elements in row-major order. Each block's scale is ``max(amax, 1e-12) / 448``
-    (float8) or ``max(amax, 1e-12)`` (8-bit); float8 codes are ``float8_e4m3fn(x /
-    scale)``; 8-bit codes index torchao's dynamic map (``signed``: 256 values in
-    [-1, 1] for signed state such as Adam's first moment; unsigned: in [0, 1], for
-    second moments), the entry nearest ``x / scale``, ties to the larger.
+    (float8) or ``max(amax, 1e-12)`` (8 and 4 bits); float8 codes are
+    ``float8_e4m3fn(x / scale)``; integer codes index torchao's map (``signed``: for
+    signed state such as Adam's first moment; unsigned for second moments), the entry
+    nearest ``x / scale``, ties to the larger.
 
     Args:
-      x: a floating array whose size is a multiple of ``block_size``.
-      dtype: ``jnp.float8_e4m3fn`` or ``"int8"``.
-      block_size: elements per block.
-      signed: for ``"int8"``, which map (ignored for float8, which has a sign bit).
+      x: a floating array whose size is a multiple of ``block_size`` (or any size, with
+        ``partial_blocks``).
+      dtype: ``"int8"``, ``"int4"`` or ``"float8_e4m3fn"`` (or ``jnp.int8``, ``jnp.int4``,
+        ``jnp.float8_e4m3fn``).
+      block_size: elements per block; torchao's by default (256; 128 for ``"int4"``).
+      signed: for the integer formats, which map (ignored for float8, which has a sign bit).
+      partial_blocks: cut a tensor whose size is not a multiple of ``block_size`` along
+        its trailing axes, each row's last block shorter (see the module's notes).
 
     Returns:
       ``(codes, scale)``: ``codes`` of ``x``'s shape (``float8_e4m3fn``, or ``uint8``
-      indices for ``"int8"``), ``scale`` float32 of shape ``(x.size // block_size,)``.
+      indices; for ``"int4"`` two per byte along ``x``'s last axis, which must be
+      even), ``scale`` float32
+      of ``x``'s leading axes followed by the blocks (``(x.size // block_size,)`` for a
+      vector).
 
     Raises:
       ValueError: for another ``dtype``, a size that is not a multiple of
@@ -103,95 +427,95 @@ def quantize_blockwise(
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"quantize_blockwise expects a floating array, got {x.dtype}")
-    _check_blocks(x.size, block_size)
-    blocks = x.astype(jnp.float32).reshape(-1, block_size)
-    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=1, keepdims=True), _EPS)
-    if fmt is FLOAT8:
-        scale = divide_exactly(amax, _FLOAT8_MAX)
-        codes = divide_exactly(blocks, scale).astype(FLOAT8)
-    else:
-        scale = amax
-        codes = _nearest_in_map(divide_exactly(blocks, scale), qmap(signed), signed)
-    return codes.reshape(x.shape), scale.reshape(-1)
+    block_size = _checked_block_size(block_size, fmt)
+    layout = block_layout(x.shape, block_size, partial_blocks=partial_blocks)
+    if layout is None:
+        raise ValueError(
+            f"an array of {x.size} elements does not split into blocks of {block_size}: pass a "
+            "block_size that divides its size, or partial_blocks=True"
+        )
+    if not quantizable(layout, fmt):
+        raise ValueError(
+            f"int4 packs neighbouring values along the last axis two per byte, and the last "
+            f"axis of an array of shape {x.shape} is odd"
+        )
+    rows = x.astype(jnp.float32).reshape(layout.rows, layout.row_length)
+    codes, scale = quantize_rows(rows, layout, fmt, signed)
+    return codes.reshape(codes_shape(x.shape, fmt)), scale.reshape(layout.scale_shape)
 
 
 def dequantize_blockwise(
-    codes: jax.Array, scale: jax.Array, dtype: Any, *, signed: bool = True
+    codes: jax.Array,
+    scale: jax.Array,
+    dtype: Any,
+    *,
+    signed: bool = True,
+    block_size: int | None = None,
 ) -> jax.Array:
     """The float32 values :func:`quantize_blockwise` stored: torchao's ``dequantize``.
 
-    ``float32(codes) * scale`` for float8, ``map[codes] * scale`` for ``"int8"``, each
-    block of ``codes.size // scale.size`` elements with its own scale.
+    ``float32(codes) * scale`` for float8, ``map[codes] * scale`` for the integer
+    formats, each block with its own scale.
+
+    Args:
+      codes, scale: what :func:`quantize_blockwise` returned.
+      dtype: the format they were stored in.
+      signed: the map they were stored with (integer formats).
+      block_size: the block size; needed only for ``partial_blocks`` (the scales' shape
+        gives it otherwise).
 
     Raises:
-      ValueError: for another ``dtype``, or a ``scale`` whose size does not divide
-        ``codes.size``.
+      ValueError: for another ``dtype``, or a ``scale`` that does not fit ``codes``.
     """
     fmt = format_of(dtype)
-    if scale.ndim != 1 or scale.size == 0 or codes.size % scale.size:
+    codes, scale = jnp.asarray(codes), jnp.asarray(scale)
+    shape = value_shape(codes.shape, fmt)
+    layout = _layout_for(shape, scale, fmt, block_size)
+    if layout is None or tuple(codes.shape) != codes_shape(shape, fmt):
         raise ValueError(
-            f"scale must hold one value per block of codes: codes has {codes.size} elements, "
-            f"scale has shape {tuple(scale.shape)}"
+            f"scale must hold one value per block of codes: codes of shape {tuple(codes.shape)} "
+            f"and scale of shape {tuple(scale.shape)} are not what quantize_blockwise returns "
+            f"for an array of shape {shape}"
+            + ("" if block_size else " (partial blocks need their block_size)")
         )
-    values = (
-        codes.astype(jnp.float32)
-        if fmt is FLOAT8
-        else jnp.asarray(qmap(signed))[codes.astype(jnp.int32)]
+    per_row = layout.row_length if fmt.bits == 8 else layout.row_length // 2
+    rows = dequantize_rows(
+        codes.reshape(layout.rows, per_row),
+        scale.reshape(layout.rows, layout.blocks_per_row),
+        layout,
+        fmt,
+        signed,
     )
-    return (values.reshape(scale.size, -1) * scale[:, None]).reshape(codes.shape)
+    return rows.reshape(shape)
 
 
-def _check_blocks(size: int, block_size: int) -> None:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    if size == 0 or size % block_size:
+def _layout_for(
+    shape: tuple[int, ...], scale: jax.Array, fmt: BlockFormat, block_size: int | None
+) -> BlockLayout | None:
+    """The layout whose scales have ``scale``'s shape: blocks of ``block_size``, or, where
+    it is not given, of the size that divides the array into ``scale.size`` blocks."""
+    size = math.prod(shape)
+    if not scale.size or size == 0:
+        return None
+    if block_size is None:
+        if size % scale.size:
+            return None
+        layout = block_layout(shape, size // scale.size)
+    else:
+        layout = block_layout(shape, block_size, partial_blocks=True)
+    if layout is None or layout.scale_shape != tuple(scale.shape) or not quantizable(layout, fmt):
+        return None
+    return layout
+
+
+def _checked_block_size(block_size: Any, fmt: BlockFormat) -> int:
+    if block_size is None:
+        return fmt.block_size
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
         raise ValueError(
-            f"an array of {size} elements does not split into blocks of {block_size}: pass a "
-            "block_size that divides its size"
+            f"block_size must be an int of at least 2, got {block_size!r} (a block of one "
+            "element stores a float32 scale per value, more than the value itself)"
         )
-
-
-def _ordered_keys(bits: Any) -> Any:
-    """float32 bit patterns (uint32, NumPy or JAX) -> keys in the floats' order: the sign
-    bit set for positive numbers, every bit flipped for negative ones."""
-    sign = bits >> 31  # 1 for negative numbers
-    return bits ^ (np.uint32(0x8000_0000) | (np.uint32(0x7FFF_FFFF) * sign))
-
-
-@functools.cache
-def _bucket_table(signed: bool) -> np.ndarray:
-    """For each of the 2**16 buckets of float32 values sharing their key's top 16 bits:
-    the index of the last map entry at or below the bucket's smallest value (-1 where
-    none is). A bucket spans 2**16 consecutive floats, 2**-8 to 2**-7 of their
-    magnitude, and holds at most one further entry of either map (checked here), so one
-    comparison finds the entry."""
-    table = qmap(signed)
-    keys = _ordered_keys(table.view(np.uint32)).astype(np.int64)
-    starts = np.arange(1 << 16, dtype=np.int64) << 16
-    last_at_or_below = np.searchsorted(keys, starts, side="right") - 1
-    inside = np.searchsorted(keys, starts + (1 << 16) - 1, side="right") - 1 - last_at_or_below
-    assert inside.max() <= 1, "two map entries in one bucket"
-    return last_at_or_below.astype(np.int16)
-
-
-def _nearest_in_map(normalized: jax.Array, table: np.ndarray, signed: bool) -> jax.Array:
-    """torchao's ``quantize_8bit_with_qmap``: the last entry ``<= normalized`` (entry 0
-    below the first, and for NaN), then one step up where ``normalized`` is at least
-    halfway to the next entry.
-
-    torchao finds the entry by a branchless binary search, eight gathers deep. The same
-    entry is found here from the value's bucket (:func:`_bucket_table`) and one
-    comparison, which takes a third of the time on a CPU."""
-    values = jnp.asarray(table)
-    unsigned_zero = jnp.where(normalized == 0, np.float32(0.0), normalized)  # -0.0 is 0.0
-    buckets = _ordered_keys(lax.bitcast_convert_type(unsigned_zero, jnp.uint32)) >> 16
-    buckets = buckets.astype(jnp.int32)
-    below = jnp.asarray(_bucket_table(signed))[buckets].astype(jnp.int32)
-    after = values[jnp.clip(below + 1, 0, 255)]
-    codes = jnp.where((below < 255) & (normalized >= after), below + 1, below)
-    codes = jnp.maximum(codes, 0)
-    up = jnp.minimum(codes + 1, 255)
-    low, high = values[codes], values[up]
-    codes = jnp.where(normalized - low >= (high - low) * np.float32(0.5), up, codes)
-    codes = jnp.where(jnp.isnan(normalized), 0, codes)
-    return codes.astype(jnp.uint8)
+    if fmt.bits == 4 and block_size % 2:
+        raise ValueError(f"int4 packs values in pairs: block_size must be even, got {block_size}")
+    return block_size

@@ -1,4 +1,4 @@
-"""torchao's two 8-bit dynamic quantization maps, as float32 bit patterns.
+"""torchao's dynamic quantization maps (8 and 4 bits), as float32 bit patterns.
 
 torchao (after bitsandbytes, Dettmers et al. 2022) builds each map with
 ``create_dynamic_map(signed)``: per decimal exponent, the midpoints of a
@@ -9,6 +9,10 @@ because the two ``linspace`` round differently; so the maps are kept here as tor
 builds them, bit for bit (``tests/optim`` rebuilds them with torchao and compares).
 
 ``SIGNED`` spans [-1, 1] (first moments), ``UNSIGNED`` [0, 1] (second moments).
+
+The 4-bit maps are ``OptimState4bit``'s: ``create_dynamic_map(True, 3, 4)`` for first
+moments, and ``torch.linspace(0, 1, 17)[1:]`` for second moments (linear, and without
+zero: a zero block stores ``1/16`` times its scale, whose floor is ``1e-12``).
 """
 
 import numpy as np
@@ -84,9 +88,9 @@ _UNSIGNED_BITS = """
 """
 
 
-def _table(bits: str) -> np.ndarray:
+def _table(bits: str, size: int = 256) -> np.ndarray:
     table = np.array([int(word, 16) for word in bits.split()], np.uint32).view(np.float32)
-    assert table.shape == (256,)
+    assert table.shape == (size,)
     assert np.all(np.diff(table) > 0)  # sorted, as the binary search needs
     table.setflags(write=False)
     return table
@@ -94,3 +98,17 @@ def _table(bits: str) -> np.ndarray:
 
 SIGNED = _table(_SIGNED_BITS)
 UNSIGNED = _table(_UNSIGNED_BITS)
+
+
+_SIGNED_4BIT_BITS = """
+    bf633333 bf29999a bee00000 be599999 bd9eb852 bd051eb9 bbb43958 00000000
+    3bb43958 3d051eb9 3d9eb852 3e599999 3ee00000 3f29999a 3f633333 3f800000
+"""
+
+_UNSIGNED_4BIT_BITS = """
+    3d800000 3e000000 3e400000 3e800000 3ea00000 3ec00000 3ee00000 3f000000
+    3f100000 3f200000 3f300000 3f400000 3f500000 3f600000 3f700000 3f800000
+"""
+
+SIGNED_4BIT = _table(_SIGNED_4BIT_BITS, 16)
+UNSIGNED_4BIT = _table(_UNSIGNED_4BIT_BITS, 16)

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxscale.optim._widened import float32_state
 from jaxscale.optim._wrapping import (
-    as_float32_where_narrower,
     is_narrower,
     map_with_optional,
     require_params,
@@ -32,16 +32,19 @@ class KahanSummationState(NamedTuple):
       compensation: a tree like the parameters: for each floating parameter narrower
         than float32, what its updates lost to rounding so far, in its dtype;
         ``None`` for the other leaves.
-      inner_state: the wrapped optimizer's state, for float32 copies of the parameters.
+      inner_state: the wrapped optimizer's state, in the dtypes it keeps for the
+        parameters (or ``state_dtype``).
     """
 
     compensation: Any
     inner_state: Any
 
 
-def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """Run ``inner`` on float32 copies of the parameters and add its updates to each
-    half-precision parameter with Kahan summation.
+def kahan_summation(
+    inner: optax.GradientTransformation, *, state_dtype: Any = None
+) -> optax.GradientTransformationExtraArgs:
+    """Run ``inner`` in float32 and add its updates to each half-precision parameter
+    with Kahan summation.
 
     For a parameter ``p`` narrower than float32 with compensation ``c`` (same dtype,
     zero at first) and ``inner``'s float32 update ``u``, in float32 arithmetic as
@@ -56,8 +59,15 @@ def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransf
     within about one ulp of ``float32(p0)`` plus the float32 sum of ``inner``'s
     updates. float32 (and wider) parameters get ``inner``'s updates and no buffer.
 
+    ``inner`` sees gradients and parameters widened to float32, and its state keeps
+    the dtypes ``inner`` gives it for the parameters as they are (bfloat16 moments for
+    bfloat16 parameters, as optimi keeps them), widened for each update and rounded
+    back to nearest; ``state_dtype=jnp.float32`` keeps it in float32 instead.
+
     Args:
       inner: the optimizer, e.g. ``optax.adamw(1e-3)``.
+      state_dtype: ``None`` (``inner``'s own dtypes), or a floating dtype or its name
+        for every floating leaf of ``inner``'s state.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -65,7 +75,8 @@ def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransf
 
     Raises:
       TypeError: for an ``inner`` that is not an Optax transform.
-      ValueError: from ``update`` called without ``params``.
+      ValueError: from ``update`` called without ``params``; for a ``state_dtype`` that
+        is not floating.
 
     >>> import jax.numpy as jnp, optax, jaxscale
     >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
@@ -78,12 +89,13 @@ def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransf
     [0.98828125, 0.98828125]
     """
     inner = validated_inner(inner, "kahan_summation")
+    widened_state = float32_state(inner, "kahan_summation", state_dtype)
 
     def init_fn(params: optax.Params) -> KahanSummationState:
         compensation = jax.tree.map(
             lambda p: jnp.zeros_like(p) if is_narrower(p, jnp.float32) else None, params
         )
-        return KahanSummationState(compensation, inner.init(as_float32_where_narrower(params)))
+        return KahanSummationState(compensation, widened_state.init(params))
 
     def update_fn(
         updates: optax.Updates,
@@ -92,11 +104,8 @@ def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransf
         **extra_args: Any,
     ) -> tuple[optax.Updates, KahanSummationState]:
         require_params(params, "kahan_summation")
-        inner_updates, inner_state = inner.update(
-            as_float32_where_narrower(updates),
-            state.inner_state,
-            as_float32_where_narrower(params),
-            **extra_args,
+        inner_updates, inner_state = widened_state.update(
+            updates, state.inner_state, params, **extra_args
         )
         steps = map_with_optional(_kahan_step, state.compensation, inner_updates, params)
         is_step = lambda node: isinstance(node, _Step)  # noqa: E731

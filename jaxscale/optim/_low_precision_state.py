@@ -1,10 +1,11 @@
-"""``low_precision_state``: an optimizer's state stored in bfloat16, float8 or 8 bits.
+"""``low_precision_state``: an optimizer's state stored in bfloat16, float8, 8 or 4 bits.
 
 Adam keeps two float32 numbers per parameter, twice the parameters' own memory in
 float32 and four times it in bfloat16. Stored in bfloat16 they take half; in
 torchao's block-wise float8 or 8-bit formats (``AdamWFp8``, ``AdamW8bit``) about a
-quarter. The optimizer itself still computes in float32: the state is widened before
-each update and narrowed after it.
+quarter; in its 4-bit format (``AdamW4bit``) about an eighth. The optimizer itself
+still computes in float32: the state is widened before each update and narrowed
+after it, a slice at a time where the optimizer allows (see ``_in_place``).
 """
 
 from __future__ import annotations
@@ -16,11 +17,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxscale._src.jaxprs import filled_value, flattened_program
+from jaxscale._src.jaxprs import is_variable as is_variable_atom
+from jaxscale._src.validation import dtype_name
 from jaxscale.optim._blockwise import (
-    dequantize_blockwise,
+    BlockLayout,
+    _checked_block_size,
+    block_layout,
+    codes_shape,
     format_of,
+    quantizable,
     quantize_blockwise,
+    quantize_rows,
+    value_shape,
 )
+from jaxscale.optim._in_place import AS_IS, Slot, slice_elements, update_in_place
 from jaxscale.optim._kahan import KahanSummationState
 from jaxscale.optim._master_weights import MasterWeightsState
 from jaxscale.optim._variables import holding, is_variable, sharding_names, value_of
@@ -40,8 +51,10 @@ class BlockQuantized(NamedTuple):
     """One leaf of an optimizer state in a block-wise format (:func:`quantize_blockwise`).
 
     Attributes:
-      codes: ``float8_e4m3fn`` values or ``uint8`` indices, of the leaf's shape.
-      scale: one float32 scale per block.
+      codes: ``float8_e4m3fn`` values or ``uint8`` indices, of the leaf's shape (for
+        ``"int4"``, two per byte along its last axis).
+      scale: one float32 scale per block, shaped as the leaf's leading axes followed
+        by its blocks.
     """
 
     codes: jax.Array
@@ -60,34 +73,57 @@ class LowPrecisionState(NamedTuple):
 
 
 def low_precision_state(
-    inner: optax.GradientTransformation, dtype: Any = jnp.bfloat16, *, block_size: int = 256
+    inner: optax.GradientTransformation,
+    dtype: Any = jnp.bfloat16,
+    *,
+    block_size: int | None = None,
+    partial_blocks: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Store ``inner``'s state in ``dtype`` between steps; ``inner`` computes on float32.
 
     Which leaves of ``inner``'s state are stored narrow, and how:
 
-    * ``jnp.bfloat16``: every floating leaf that is not a scalar (scalars are counts,
+    * ``"bfloat16"``: every floating leaf that is not a scalar (scalars are counts,
       learning rates and other hyperparameters), rounded to nearest even.
-    * ``jnp.float8_e4m3fn``: torchao's ``OptimStateFp8``; ``"int8"``: torchao's
-      ``OptimState8bit``, with the unsigned map for second moments (optax's ``nu``
-      and ``nu_max`` fields, torchao's ``exp_avg_sq``) and the signed map for the
-      rest. As in torchao, only floating leaves of at least 4,096 elements whose size
-      is a multiple of ``block_size`` are quantized (one float32 scale per
-      ``block_size`` elements); the others stay as ``inner`` made them.
+    * ``"float8_e4m3fn"``: torchao's ``OptimStateFp8``; ``"int8"``: torchao's
+      ``OptimState8bit``; ``"int4"``: torchao's ``OptimState4bit``. The integer formats
+      use the unsigned map for second moments (optax's ``nu`` and ``nu_max`` fields,
+      torchao's ``exp_avg_sq``) and the signed map for the rest. As in torchao, only
+      floating leaves of at least 4,096 elements whose size is a multiple of
+      ``block_size`` are quantized, one float32 scale per block; the others stay as
+      ``inner`` made them. With ``partial_blocks=True`` every floating leaf of at
+      least 4,096 elements is quantized, a leaf that does not divide into blocks cut
+      along its trailing axes with a shorter last block in each row
+      (:func:`quantize_blockwise`); the leaves torchao quantizes are stored as before.
 
-    Before each update the stored leaves are widened to float32 (bfloat16 exactly;
-    the block formats with :func:`dequantize_blockwise`), ``inner`` runs, and its new
-    state is stored again, so the state keeps its structure and dtypes from step to
-    step (a requirement of ``jit``'s donated buffers and of
-    :func:`jaxscale.grad_scaler`'s skipped steps); a change in ``inner``'s own
-    structure or shapes is an error that names the leaf. Master copies and Kahan
-    compensation buffers of jaxscale's transforms inside ``inner`` are parameters,
-    not statistics, and are left as they are.
+    Each update widens the stored state to float32 (bfloat16 exactly; the block
+    formats with :func:`dequantize_blockwise`), runs ``inner``, and stores its new
+    state again, so the state keeps its structure and dtypes from step to step (a
+    requirement of ``jit``'s donated buffers and of :func:`jaxscale.grad_scaler`'s
+    skipped steps); a change in ``inner``'s own structure or shapes is an error that
+    names the leaf. Master copies and Kahan compensation buffers of jaxscale's
+    transforms inside ``inner`` are parameters, not statistics, and are left as they
+    are.
+
+    Memory. Where ``inner``'s update is elementwise in its arrays (Adam, AdamW, SGD
+    with momentum, Lion, RMSProp and the like, with any scalar schedule or global
+    gradient-norm clipping), each parameter's state is widened, updated and narrowed a
+    slice at a time, written back into its own buffers and the update into the
+    gradient's, so the compiled step needs no widened copy of the state: with
+    donated state and gradients an 8-bit Adam step's temporaries are a small constant
+    per parameter. Other optimizers are computed on whole arrays. ``init`` stores a
+    state that ``inner`` fills with a constant (Adam's zeros) without quantizing it:
+    a zero leaf is stored as torchao stores one (codes and scales zero), another
+    constant as its quantized value, so ``jax.jit(tx.init)`` compiles at once.
 
     Args:
       inner: the optimizer, e.g. ``optax.adamw(1e-3)``.
-      dtype: ``jnp.bfloat16``, ``jnp.float8_e4m3fn`` or ``"int8"``.
-      block_size: elements per scale for the block formats.
+      dtype: ``"bfloat16"``, ``"float8_e4m3fn"``, ``"int8"`` or ``"int4"`` (or the dtypes
+        ``jnp.bfloat16``, ``jnp.float8_e4m3fn``, ``jnp.int8``, ``jnp.int4``).
+      block_size: elements per scale for the block formats: torchao's by default (256;
+        128 for ``"int4"``).
+      partial_blocks: quantize the leaves whose size is not a multiple of
+        ``block_size`` too.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -95,7 +131,9 @@ def low_precision_state(
 
     Raises:
       TypeError: for an ``inner`` that is not an Optax transform.
-      ValueError: for another ``dtype`` or a ``block_size`` that is not a positive int.
+      ValueError: for another ``dtype``, naming the formats; a ``block_size`` below
+        2 (or odd, for ``"int4"``); a ``block_size`` or ``partial_blocks`` given with
+        ``"bfloat16"``, which has no blocks.
 
     >>> import jax.numpy as jnp, optax, jaxscale
     >>> params = {"w": jnp.zeros((64, 64))}
@@ -105,35 +143,67 @@ def low_precision_state(
     (dtype('uint8'), (64, 64), (16,))
     """
     inner = validated_inner(inner, "low_precision_state")
-    fmt = BFLOAT16 if _is_bfloat16(dtype) else format_of(dtype)
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    fmt = _state_format(dtype)
+    if fmt is BFLOAT16:
+        if block_size is not None or partial_blocks:
+            raise ValueError(
+                "bfloat16 state is stored element by element: block_size and partial_blocks "
+                'apply to the block formats "int8", "int4" and "float8_e4m3fn"'
+            )
+        size = 0
+    else:
+        size = _checked_block_size(block_size, fmt)
 
-    def store(path: tuple[Any, ...], node: Any) -> Any:
+    def layout_of(leaf: Any) -> BlockLayout | None:
+        if not _is_floating_array(leaf) or leaf.size < SMALLEST_QUANTIZED:
+            return None
+        layout = block_layout(leaf.shape, size, partial_blocks=partial_blocks)
+        return layout if quantizable(layout, fmt) else None
+
+    def store(path: tuple[Any, ...], node: Any, fill: np.ndarray | None) -> Any:
         # a leaf of Flax NNX's state arrives in a variable: the variables go inside a
         # BlockQuantized, which Flax then updates field by field (see _variables)
         leaf = value_of(node)
         if not _is_floating_array(leaf):
             return node
         if fmt is BFLOAT16:
-            return holding(node, leaf.astype(BFLOAT16)) if leaf.ndim else node
-        if leaf.size < SMALLEST_QUANTIZED or leaf.size % block_size:
+            if not leaf.ndim:
+                return node
+            narrow = jnp.full(leaf.shape, fill, BFLOAT16) if fill is not None else leaf
+            return holding(node, narrow.astype(BFLOAT16))
+        layout = layout_of(leaf)
+        if layout is None:
             return node
-        codes, scale = quantize_blockwise(leaf, fmt, block_size=block_size, signed=_signed(path))
+        slot = Slot("blocks", fmt=fmt, layout=layout, signed=_signed(path))
+        if fill is None:
+            codes, scale = quantize_blockwise(
+                leaf, fmt.name, block_size=size, signed=slot.signed, partial_blocks=partial_blocks
+            )
+        else:
+            codes, scale = _filled(slot, fill)
         return BlockQuantized(
-            holding(node, codes), holding(node, scale, out_sharding=_scale_sharding(node))
+            holding(node, codes), holding(node, scale, out_sharding=_scale_sharding(node, layout))
         )
 
-    def load(path: tuple[Any, ...], leaf: Any) -> Any:
-        if isinstance(leaf, BlockQuantized):
-            codes, scale = value_of(leaf.codes), value_of(leaf.scale)
-            return dequantize_blockwise(codes, scale, fmt, signed=_signed(path))
+    def slot_of(path: tuple[Any, ...], stored: Any) -> Slot:
+        if isinstance(stored, BlockQuantized):
+            shape = value_shape(np.shape(value_of(stored.codes)), fmt)
+            layout = block_layout(shape, size, partial_blocks=partial_blocks)
+            return Slot("blocks", fmt=fmt, layout=layout, signed=_signed(path))
+        leaf = value_of(stored)
         if fmt is BFLOAT16 and _is_floating_array(leaf) and leaf.dtype == BFLOAT16 and leaf.ndim:
-            return leaf.astype(jnp.float32)
-        return leaf
+            return Slot("cast", dtype=BFLOAT16)
+        return AS_IS
 
     def init_fn(params: optax.Params) -> LowPrecisionState:
-        return LowPrecisionState(_statistics_map(store, inner.init(params)))
+        state = inner.init(params)
+        leaves = jax.tree.leaves(state)
+        fills = dict(zip(map(id, leaves), _constant_fills(inner.init, params), strict=True))
+        return LowPrecisionState(
+            _statistics_map(
+                lambda path, node: store(path, node, fills.get(id(value_of(node)))), state
+            )
+        )
 
     def update_fn(
         updates: optax.Updates,
@@ -141,31 +211,91 @@ def low_precision_state(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, LowPrecisionState]:
-        wide_state = _statistics_map(load, state.inner_state)
-        new_updates, new_wide_state = inner.update(updates, wide_state, params, **extra_args)
-        stored = _statistics_map(store, new_wide_state)
-        _require_same_layout(state.inner_state, stored)
-        return new_updates, LowPrecisionState(stored)
+        stored = jax.tree.map(value_of, state.inner_state, is_leaf=is_variable)
+        slots = _slot_tree(slot_of, stored)
+
+        def update(updates: Any, wide_state: Any, params: Any) -> Any:
+            return inner.update(updates, wide_state, params, **extra_args)
+
+        new_updates, new_stored = update_in_place(
+            update, updates, stored, slots, (params,), elements=slice_elements(None)
+        )
+        _require_same_layout(stored, new_stored)
+        return new_updates, LowPrecisionState(new_stored)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _scale_sharding(node: Any) -> tuple[Any, ...] | None:
-    """The sharding names of a leaf's scales: they run along the flattened leaf, so they
-    shard as its first axis does when no other axis is sharded."""
+def _state_format(dtype: Any) -> Any:
+    """bfloat16, or a block format; a ValueError that names every choice otherwise."""
+    if dtype_name(dtype) == "bfloat16":
+        return BFLOAT16
+    try:
+        return format_of(dtype)
+    except ValueError:
+        raise ValueError(
+            "dtype must be 'bfloat16', 'float8_e4m3fn', 'int8' or 'int4' (the strings, or "
+            f"jnp.bfloat16, jnp.float8_e4m3fn, jnp.int8, jnp.int4), got {dtype!r}"
+        ) from None
+
+
+def _filled(slot: Slot, fill: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """The codes and scales of a leaf whose every element is ``fill``, without quantizing
+    the leaf: zero as torchao's ``zeros`` (codes and scales zero, which dequantize to
+    zero), another value as its one block quantized and repeated."""
+    layout, fmt = slot.blocks
+    shape = codes_shape(layout.shape, fmt)
+    if float(fill) == 0.0:
+        return jnp.zeros(shape, fmt.code_dtype), jnp.zeros(layout.scale_shape, jnp.float32)
+    block = jnp.full((1, layout.block_size), fill, jnp.float32)
+    one = block_layout((1, layout.block_size), layout.block_size)
+    assert one is not None
+    codes, scale = quantize_rows(block, one, fmt, slot.signed)
+    return jnp.full(shape, codes[0, 0]), jnp.full(layout.scale_shape, scale[0, 0])
+
+
+def _constant_fills(init: Any, params: Any) -> list[np.ndarray | None]:
+    """For each leaf of ``init(params)`` (in flattening order), the one constant ``init``
+    fills it with (``jnp.zeros_like``), or ``None``; read from ``init``'s traced program."""
+
+    def flat_init(params: Any) -> list[Any]:
+        return jax.tree.leaves(init(params))
+
+    closed = jax.make_jaxpr(flat_init)(params)
+    _, outvars, equations, _ = flattened_program(closed)
+    return [filled_value(equations, var) if is_variable_atom(var) else None for var in outvars]
+
+
+def _scale_sharding(node: Any, layout: BlockLayout) -> tuple[Any, ...] | None:
+    """The sharding names of a leaf's scales (``shape[:k] + (blocks,)``): the leaf's own
+    for its leading axes, and for the blocks the name of the first trailing axis when
+    no later one is sharded."""
     names = sharding_names(node)
     if names is None:
         return None
-    return (names[0] if all(name is None for name in names[1:]) else None,)
+    k = len(layout.scale_shape) - 1
+    last = names[k] if all(name is None for name in names[k + 1 :]) else None
+    return (*names[:k], last)
 
 
-def _is_bfloat16(dtype: Any) -> bool:
-    if isinstance(dtype, str):
-        return False
-    try:
-        return np.dtype(dtype) == BFLOAT16
-    except TypeError:
-        return False
+def _slot_tree(slot_of: Any, stored: Any) -> Any:
+    """A :class:`Slot` for each stored leaf: as ``slot_of`` says for the statistics, as is
+    for the parameter side of jaxscale's own states."""
+
+    def is_leaf(node: Any) -> bool:
+        return isinstance(node, (BlockQuantized, *_PARAMETER_SIDE))
+
+    def visit(path: tuple[Any, ...], node: Any) -> Any:
+        if not isinstance(node, _PARAMETER_SIDE):
+            return slot_of(path, node)
+        fields = {
+            name: jax.tree.map(lambda _: AS_IS, getattr(node, name))
+            for name in node._fields
+            if name != "inner_state"
+        }
+        return node._replace(**fields, inner_state=_slot_tree(slot_of, node.inner_state))
+
+    return jax.tree_util.tree_map_with_path(visit, stored, is_leaf=is_leaf)
 
 
 def _is_floating_array(leaf: Any) -> bool:

@@ -95,22 +95,33 @@ def _uniform_16_bit(shape: tuple[int, ...], key: Any, bits: Any) -> jax.Array:
             + ("neither" if key is None else "both")
         )
     if key is not None:
-        # two 16-bit draws from each 32 random bits: the generator's work is halved
-        size = int(np.prod(shape, dtype=np.int64))
-        words = jax.random.bits(key, ((size + 1) // 2,), jnp.uint32)
-        halves = jnp.concatenate([words & 0xFFFF, words >> 16])
-        return halves[:size].reshape(shape)
+        return _draws(key, shape)
     bits = jnp.asarray(bits)
     if not jnp.issubdtype(bits.dtype, jnp.integer) or bits.shape != shape:
         raise ValueError(
             f"bits must be an integer array of x's shape {shape}, got {bits.dtype} of shape "
             f"{bits.shape}"
         )
-    if not is_traced(bits) and bits.size and (bits.min() < 0 or bits.max() >= 1 << 16):
-        raise ValueError(
-            f"bits must lie in [0, 2**16), got values from {int(bits.min())} to {int(bits.max())}"
-        )
+    if not is_traced(bits) and bits.size:
+        # compared as Python integers: the bounds do not fit every integer dtype
+        low, high = int(np.min(np.asarray(bits))), int(np.max(np.asarray(bits)))
+        if low < 0 or high >= 1 << 16:
+            raise ValueError(f"bits must lie in [0, 2**16), got values from {low} to {high}")
     return bits.astype(jnp.uint32) & 0xFFFF
+
+
+def _draws(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """16 uniform random bits per element of ``shape``, two from each 32-bit word: the
+    words drawn along the last axis halved, each split into its low and high half for
+    two neighbours. Drawn in the array's own shape, the words of a shard are computed on
+    its device (JAX's partitionable Threefry), so a sharded parameter's draws need no
+    communication and do not depend on the mesh."""
+    if not shape:
+        return jax.random.bits(key, (), jnp.uint32) & 0xFFFF
+    pairs = -(-shape[-1] // 2)
+    words = jax.random.bits(key, (*shape[:-1], pairs), jnp.uint32)
+    halves = jnp.stack([words & 0xFFFF, words >> 16], axis=-1)
+    return halves.reshape(*shape[:-1], 2 * pairs)[..., : shape[-1]]
 
 
 def _to_bfloat16(x: jax.Array, draws: jax.Array) -> jax.Array:

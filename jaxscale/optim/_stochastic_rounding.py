@@ -11,7 +11,8 @@ import numpy as np
 import optax
 
 from jaxscale.optim._stochastic_round import TARGETS, stochastic_round
-from jaxscale.optim._wrapping import as_float32_where_narrower, require_params, validated_inner
+from jaxscale.optim._widened import float32_state
+from jaxscale.optim._wrapping import require_params, validated_inner
 
 
 class StochasticRoundingState(NamedTuple):
@@ -19,7 +20,8 @@ class StochasticRoundingState(NamedTuple):
 
     Attributes:
       key: the PRNG key the next applied step draws its random bits from.
-      inner_state: the wrapped optimizer's state, for float32 copies of the parameters.
+      inner_state: the wrapped optimizer's state, in the dtypes it keeps for the
+        parameters (or ``state_dtype``).
     """
 
     key: jax.Array
@@ -27,10 +29,10 @@ class StochasticRoundingState(NamedTuple):
 
 
 def stochastic_rounding(
-    inner: optax.GradientTransformation, *, key: jax.Array
+    inner: optax.GradientTransformation, *, key: jax.Array, state_dtype: Any = None
 ) -> optax.GradientTransformationExtraArgs:
-    """Run ``inner`` on float32 copies of the parameters and write each bfloat16 or
-    float16 parameter as ``stochastic_round(float32(p) + float32(u))``.
+    """Run ``inner`` in float32 and write each bfloat16 or float16 parameter as
+    ``stochastic_round(float32(p) + float32(u))``.
 
     That is torchao's write of a bfloat16 parameter (``_AdamW(...,
     bf16_stochastic_round=True)``): the new value is one of the two half-precision
@@ -42,13 +44,25 @@ def stochastic_rounding(
     (the difference of two neighbouring half-precision numbers is exact in float32).
     Parameters of float32 or wider get ``inner``'s updates unchanged.
 
+    ``inner``'s state keeps the dtypes ``inner`` gives it for the parameters as they
+    are (``optax.adamw`` on bfloat16 parameters: bfloat16 moments, as torchao's
+    ``_AdamW`` keeps them): each update widens it to float32 for ``inner`` and rounds
+    the new state back to nearest. ``state_dtype=jnp.float32`` keeps it in float32
+    instead (``optax.adamw(..., mu_dtype=jnp.float32)`` does that for the first
+    moment alone).
+
     The key lives in the state and is split on every update; under
     :func:`jaxscale.grad_scaler` a skipped step leaves it unchanged with the rest of
-    the state, so the same draws are used by the next applied step.
+    the state, so the same draws are used by the next applied step. Each parameter's
+    draws come from the step's key folded with the parameter's index, drawn in the
+    parameter's shape: a sharded parameter draws its shard's bits on its own device,
+    and the draws do not depend on the mesh.
 
     Args:
       inner: the optimizer, e.g. ``optax.adamw(1e-3)``.
       key: a JAX PRNG key (``jax.random.key(0)`` or ``jax.random.PRNGKey(0)``).
+      state_dtype: ``None`` (``inner``'s own dtypes), or a floating dtype or its name
+        for every floating leaf of ``inner``'s state.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -57,7 +71,8 @@ def stochastic_rounding(
     Raises:
       TypeError: for an ``inner`` that is not an Optax transform, or a ``key`` that
         is not a PRNG key.
-      ValueError: from ``update`` called without ``params``.
+      ValueError: from ``update`` called without ``params``; for a ``state_dtype``
+        that is not floating.
 
     >>> import jax, jax.numpy as jnp, optax, jaxscale
     >>> params = {"w": jnp.ones(1000, jnp.bfloat16)}
@@ -71,9 +86,10 @@ def stochastic_rounding(
     """
     inner = validated_inner(inner, "stochastic_rounding")
     _check_key(key)
+    widened_state = float32_state(inner, "stochastic_rounding", state_dtype)
 
     def init_fn(params: optax.Params) -> StochasticRoundingState:
-        return StochasticRoundingState(key, inner.init(as_float32_where_narrower(params)))
+        return StochasticRoundingState(key, widened_state.init(params))
 
     def update_fn(
         updates: optax.Updates,
@@ -82,9 +98,8 @@ def stochastic_rounding(
         **extra_args: Any,
     ) -> tuple[optax.Updates, StochasticRoundingState]:
         require_params(params, "stochastic_rounding")
-        wide_params = as_float32_where_narrower(params)
-        inner_updates, inner_state = inner.update(
-            as_float32_where_narrower(updates), state.inner_state, wide_params, **extra_args
+        inner_updates, inner_state = widened_state.update(
+            updates, state.inner_state, params, **extra_args
         )
         next_key, step_key = jax.random.split(state.key)
         # one key per leaf: the step's key folded with the leaf's index

@@ -52,12 +52,17 @@ def map_with_optional(fn: Any, optional: Any, *trees: Any) -> Any:
 
 
 def floating_dtype(dtype: Any, name: str) -> np.dtype:
+    """``dtype`` (a floating dtype or its name, ``"bfloat16"``) as a NumPy dtype."""
     try:
         result = np.dtype(dtype)
     except TypeError:
         raise TypeError(
-            f"{name} must be a floating dtype such as jnp.float32, got {dtype!r}"
+            f"{name} must be a floating dtype or its name, such as jnp.float32 or 'float32', "
+            f"got {dtype!r}"
         ) from None
     if not jnp.issubdtype(result, jnp.floating):
-        raise ValueError(f"{name} must be a floating dtype such as jnp.float32, got {result}")
+        raise ValueError(
+            f"{name} must be a floating dtype or its name, such as jnp.float32 or 'float32', "
+            f"got {result}"
+        )
     return result

@@ -99,10 +99,15 @@ def test_bad_arguments_are_named(kwargs, message):
     ("call", "message"),
     [
         (lambda: jaxscale.quantize_blockwise(jnp.ones(300), "int8"), "300 elements does not split"),
-        (lambda: jaxscale.quantize_blockwise(jnp.ones(256), jnp.int8), 'float8_e4m3fn or "int8"'),
+        (
+            lambda: jaxscale.quantize_blockwise(jnp.ones(256), jnp.float16),
+            r"'int8', 'int4' or 'float8_e4m3fn' \(the strings or jnp.int8, .*got <class",
+        ),
         (lambda: jaxscale.quantize_blockwise(jnp.ones(256), "uint8"), "got 'uint8'"),
         (lambda: jaxscale.quantize_blockwise(jnp.ones(256, int), "int8"), "floating array"),
-        (lambda: jaxscale.quantize_blockwise(jnp.ones(8), "int8", block_size=0), "positive int"),
+        (lambda: jaxscale.quantize_blockwise(jnp.ones(8), "int8", block_size=1), "at least 2"),
+        (lambda: jaxscale.quantize_blockwise(jnp.ones(8), "int4", block_size=3), "must be even"),
+        (lambda: jaxscale.quantize_blockwise(jnp.ones((4, 3)), "int4", block_size=4), "is odd"),
         (
             lambda: jaxscale.dequantize_blockwise(jnp.zeros(8, jnp.uint8), jnp.ones(3), "int8"),
             "one value per block",
@@ -118,7 +123,7 @@ def test_float8_blocks_round_trip_within_the_format():
     x = jax.random.normal(jax.random.key(0), (64, 64)) * 3.0
     codes, scale = jaxscale.quantize_blockwise(x, jnp.float8_e4m3fn, block_size=64)
     assert codes.dtype == jnp.float8_e4m3fn
-    assert scale.shape == (64,)
+    assert scale.shape == (64, 1)  # the leading axis, then one block per row
     back = jaxscale.dequantize_blockwise(codes, scale, jnp.float8_e4m3fn)
     # e4m3 keeps 3 fraction bits: within 2**-4 of each value, relative
     np.testing.assert_allclose(back, x, rtol=2.0**-4, atol=float(jnp.max(scale)) * 2.0**-6)

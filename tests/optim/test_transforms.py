@@ -168,29 +168,60 @@ def test_master_params_finds_the_masters_anywhere_in_a_state():
 
 
 def test_stochastic_rounding_writes_sr_of_the_float32_sum_with_the_states_key():
+    # inner runs in float32 on the widened parameters, gradients and state, and its
+    # state is kept in the dtypes it has for the parameters: bfloat16 moments for "w"
     params = make_params(BF16)
     key = jax.random.key(7)
     tx = jaxscale.stochastic_rounding(adamw(1e-3), key=key)
     inner = adamw(1e-3)
-    wide = jax.tree.map(lambda x: x.astype(F32) if x.dtype == BF16 else x, params)
-    inner_state = inner.init(wide)
+    inner_state = inner.init(params)
+    assert inner_state[0].mu["w"].dtype == BF16
     state = tx.init(params)
+    assert jax.tree.map(lambda x: x.dtype, state.inner_state) == jax.tree.map(
+        lambda x: x.dtype, inner_state
+    )
+
+    def widened(tree):
+        return jax.tree.map(lambda x: x.astype(F32) if x.dtype == BF16 else x, tree)
+
+    @jax.jit
+    def reference(grads, inner_state, params):
+        updates, new_state = inner.update(widened(grads), widened(inner_state), widened(params))
+        narrowed = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, inner_state)
+        return updates, narrowed
+
+    step = jax.jit(tx.update)
     for index in range(3):
         grads = grads_for(params, index)
-        updates, state = tx.update(grads, state, params)
-        expected_updates, inner_state = inner.update(
-            jax.tree.map(lambda g: g.astype(F32) if g.dtype == BF16 else g, grads),
-            inner_state,
-            wide,
-        )
+        updates, state = step(grads, state, params)
+        expected_updates, inner_state = reference(grads, inner_state, params)
         key, step_key = jax.random.split(key)
         w_key = jax.random.fold_in(step_key, 1)  # "w" is the second leaf in key order
-        expected_w = jaxscale.stochastic_round(wide["w"] + expected_updates["w"], key=w_key)
+        wide_w = params["w"].astype(F32)
+        expected_w = jaxscale.stochastic_round(wide_w + expected_updates["w"], key=w_key)
         params = apply(params, updates)
         np.testing.assert_array_equal(params["w"], expected_w)
-        np.testing.assert_array_equal(updates["b"], expected_updates["b"])
+        np.testing.assert_allclose(updates["b"], expected_updates["b"], rtol=1e-6)
         np.testing.assert_array_equal(jax.random.key_data(state.key), jax.random.key_data(key))
-        wide = jax.tree.map(lambda x: x.astype(F32) if x.dtype == BF16 else x, params)
+        for ours, theirs in zip(
+            jax.tree.leaves(state.inner_state), jax.tree.leaves(inner_state), strict=True
+        ):
+            assert ours.dtype == theirs.dtype
+            np.testing.assert_allclose(
+                np.asarray(ours, F32), np.asarray(theirs, F32), rtol=2**-8, atol=1e-12
+            )
+
+
+def test_stochastic_rounding_keeps_float32_state_when_asked():
+    params = make_params(BF16)
+    for asked in (F32, "float32"):
+        tx = jaxscale.stochastic_rounding(adamw(), key=jax.random.key(0), state_dtype=asked)
+        state = tx.init(params)
+        assert state.inner_state[0].mu["w"].dtype == F32
+        _, new_state = jax.jit(tx.update)(grads_for(params, 0), state, params)
+        assert new_state.inner_state[0].nu["w"].dtype == F32
+    with pytest.raises(ValueError, match="state_dtype must be a floating dtype or its name"):
+        jaxscale.stochastic_rounding(adamw(), key=jax.random.key(0), state_dtype="int8")
 
 
 def test_stochastic_rounding_moves_half_precision_parameters_by_the_update_on_average():
@@ -228,7 +259,8 @@ def test_kahan_summation_follows_the_float32_sum_of_the_updates_within_an_ulp(dt
     steps = 200
     params = {"w": (jax.random.normal(jax.random.key(0), (4096,)) * 4).astype(dtype)}
     inner = third_party.optimizer(optax.adam(1e-4))
-    ours = run(jaxscale.kahan_summation(inner), params, steps)
+    # float32 moments, as the float32 run keeps: the updates are then the same
+    ours = run(jaxscale.kahan_summation(inner, state_dtype=F32), params, steps)
     expected = run(inner, {"w": params["w"].astype(F32)}, steps)[-1][0]["w"]
     checked = np.abs(np.asarray(expected)) >= smallest
     assert checked.mean() > 0.99
@@ -239,6 +271,17 @@ def test_kahan_summation_follows_the_float32_sum_of_the_updates_within_an_ulp(dt
         plain = (plain.astype(F32) + updates["w"]).astype(dtype)
     assert ulps(plain, expected, dtype)[checked].max() > 20
     assert ours[-1][1].compensation["w"].dtype == dtype
+
+
+def test_kahan_summation_keeps_the_inner_state_in_the_parameters_dtypes():
+    params = make_params(BF16)
+    tx = jaxscale.kahan_summation(adamw())
+    state = tx.init(params)
+    assert state.inner_state[0].mu["w"].dtype == BF16  # as optax.adamw keeps it
+    assert state.inner_state[0].mu["b"].dtype == F32
+    _, new_state = jax.jit(tx.update)(grads_for(params, 0), state, params)
+    assert jax.tree.map(lambda x: x.dtype, new_state) == jax.tree.map(lambda x: x.dtype, state)
+    assert state_bytes_per_parameter(state.inner_state, {"w": params["w"]}) < 4.6
 
 
 def test_kahan_summation_leaves_float32_parameters_to_the_inner_optimizer():
@@ -380,10 +423,16 @@ def test_updates_without_params_are_refused_by_name(make):
 
 
 def test_low_precision_state_refuses_other_formats():
-    with pytest.raises(ValueError, match='float8_e4m3fn or "int8", got'):
+    with pytest.raises(
+        ValueError,
+        match=r"dtype must be 'bfloat16', 'float8_e4m3fn', 'int8' or 'int4' \(the strings, "
+        r"or jnp.bfloat16, .*\), got <class 'jax.numpy.float16'>",
+    ):
         jaxscale.low_precision_state(adamw(), jnp.float16)
-    with pytest.raises(ValueError, match="block_size must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="block_size must be an int of at least 2, got 0"):
         jaxscale.low_precision_state(adamw(), "int8", block_size=0)
+    with pytest.raises(ValueError, match="bfloat16 state is stored element by element"):
+        jaxscale.low_precision_state(adamw(), "bfloat16", block_size=128)
 
 
 # -- composition -------------------------------------------------------------------------------

@@ -173,11 +173,11 @@ def test_the_facade_steps_it_and_a_skipped_step_changes_nothing(fmt):
 
     for index in range(STEPS):
         train_step(model, optimizer, scaler, *batch(index))
-        if index == 2:  # the facade computes what the transform does, bit for bit
+        if index == 2:  # the facade computes what the transform does, to float32's rounding
             expected = reference_run(transform, steps=3, scaled=True)
             got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-                np.testing.assert_array_equal(a, b)
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
     assert int(scaler.skipped_steps()) == 0
     assert_close_to(model, reference_run(transform, scaled=True), fmt)
 

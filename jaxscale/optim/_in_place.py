@@ -1,0 +1,353 @@
+"""An optimizer step whose state is stored narrow, computed a slice of each leaf at a time.
+
+A transform that stores its wrapped optimizer's state in bfloat16, float8 or 8 or 4
+bits widens it to float32 for the update and narrows the new state after. Done on
+whole arrays, XLA keeps the widened state, old and new, as temporaries: on the CPU
+a compiled 8-bit Adam step held 16 bytes per parameter beyond its arguments, where
+float32 Adam's holds none. This module computes the same arithmetic so that its
+temporaries stay a small constant:
+
+* The update is read once as an :class:`~jaxscale._src.elementwise.ElementwiseProgram`.
+  Scalars (counts, schedules, norms) are computed on whole arrays; every parameter's
+  arrays (its gradient, its state, its step) form a component.
+* A component that writes a narrowed state runs in a loop over slices of its rows
+  (strided, so that every slice spans every device's shard of a leaf sharded along
+  its leading axis and the loop moves nothing between devices): each iteration reads
+  the slice of the stored state, widens it, computes the new state and the update,
+  narrows the state and writes both back into the arrays they came from, the state
+  into its own buffers and the update into the gradient's. The loop's trip count is
+  fixed when the program is traced, so it reads nothing back from the device (XLA's
+  GPU runtime runs a loop of known trip count without reading its predicate).
+* A program that is not elementwise (a matrix preconditioner, a factored moment) is
+  computed on whole arrays, as before.
+
+The arithmetic is the same operations on the same values, so the results equal the
+whole-array computation's (up to XLA rounding one float32 operation differently in
+another fusion, which the tests bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxscale._src.elementwise import ElementwiseProgram
+from jaxscale.optim._blockwise import (
+    BlockFormat,
+    BlockLayout,
+    block_layout,
+    dequantize_rows,
+    quantize_rows,
+)
+
+# Elements of one leaf processed per loop iteration: small on a CPU, whose temporaries
+# are what a host's memory holds; large elsewhere, where a loop iteration is a kernel
+# launch and most leaves fit in one.
+CPU_SLICE = 1 << 16
+ACCELERATOR_SLICE = 1 << 22
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """How one leaf of a state is kept between steps.
+
+    ``kind`` is ``"as is"`` (the optimizer's own array), ``"cast"`` (stored in
+    ``dtype``, computed in float32) or ``"blocks"`` (codes and scales of ``fmt`` laid
+    out as ``layout``, with the ``signed`` map).
+    """
+
+    kind: str
+    dtype: Any = None
+    fmt: BlockFormat | None = None
+    layout: BlockLayout | None = None
+    signed: bool = True
+
+    def arrays(self, stored: Any) -> tuple[Any, ...]:
+        """The arrays a stored leaf is kept in, as a loop carries them: float8 codes as
+        their bytes (XLA's CPU backend updates a slice of a float8 array by converting
+        the whole array to float16 and back)."""
+        if self.kind != "blocks":
+            return (stored,)
+        codes, scale = stored
+        return (_as_bytes(codes), scale)
+
+    def stored(self, arrays: Sequence[Any], like: Any) -> Any:
+        """The stored leaf from :meth:`arrays`, of ``like``'s type."""
+        if self.kind != "blocks":
+            return arrays[0]
+        codes, scale = arrays
+        return type(like)(lax.bitcast_convert_type(codes, like[0].dtype), scale)
+
+    @property
+    def blocks(self) -> tuple[BlockLayout, BlockFormat]:
+        """The layout and format of a ``"blocks"`` slot."""
+        if self.layout is None or self.fmt is None:
+            raise ValueError(f"a {self.kind!r} slot has no blocks")
+        return self.layout, self.fmt
+
+    def widened(self, stored: Any) -> Any:
+        """The whole leaf, as the optimizer computes with it."""
+        if self.kind == "as is":
+            return stored
+        if self.kind == "cast":
+            return stored.astype(jnp.float32)
+        layout, _ = self.blocks
+        codes, scale = stored
+        rows = self.read_rows((codes.reshape(layout.rows, -1), scale.reshape(layout.rows, -1)))
+        return rows.reshape(layout.shape)
+
+    def narrowed(self, wide: Any, like: Any) -> Any:
+        """The whole leaf stored, of ``like``'s type."""
+        if self.kind == "as is":
+            return wide
+        if self.kind == "cast":
+            return wide.astype(self.dtype)
+        layout, _ = self.blocks
+        rows = wide.astype(jnp.float32).reshape(layout.rows, layout.row_length)
+        codes, scale = self.write_rows(rows)
+        return self.stored((codes.reshape(like[0].shape), scale.reshape(like[1].shape)), like)
+
+    def read_rows(self, rows: Sequence[Any]) -> Any:
+        """Stored rows widened to float32 rows."""
+        if self.kind == "as is":
+            return rows[0]
+        if self.kind == "cast":
+            return rows[0].astype(jnp.float32)
+        return dequantize_rows(rows[0], rows[1], *self.blocks, self.signed)
+
+    def write_rows(self, rows: Any) -> tuple[Any, ...]:
+        """float32 rows narrowed to stored rows."""
+        if self.kind == "as is":
+            return (rows,)
+        if self.kind == "cast":
+            return (rows.astype(self.dtype),)
+        codes, scale = quantize_rows(rows, *self.blocks, self.signed)
+        return (_as_bytes(codes), scale)
+
+
+AS_IS = Slot("as is")
+
+
+def _as_bytes(codes: Any) -> Any:
+    if codes.dtype == jnp.uint8:
+        return codes
+    return lax.bitcast_convert_type(codes, jnp.uint8)
+
+
+def slice_elements(platform_default: int | None) -> int:
+    """The elements per loop iteration: ``platform_default`` where given, else by the
+    backend that compiles (traced for the default backend)."""
+    if platform_default is not None:
+        return platform_default
+    return CPU_SLICE if jax.default_backend() == "cpu" else ACCELERATOR_SLICE
+
+
+def trip_count(rows: int, row_length: int, elements: int) -> int:
+    """How many iterations divide ``rows`` into slices of at most ``elements`` elements
+    (one row per iteration where a row is longer). Among the counts that do, the one
+    with the fewest factors of two, then the smallest: an iteration takes every
+    ``count``-th row, so a leaf sharded along its leading axis over a power-of-two
+    number of devices keeps whole slices on each device while the rows left per
+    iteration stay divisible by the device count."""
+    fitting = [
+        count
+        for count in range(1, rows + 1)
+        if rows % count == 0 and (rows // count) * row_length <= elements
+    ]
+    if not fitting:
+        return rows
+    smallest = fitting[0]
+    # the same slice size within a factor of four: prefer the odd part
+    candidates = [count for count in fitting if count <= 4 * smallest]
+    return min(candidates, key=lambda count: (_twos(count), count))
+
+
+def _twos(count: int) -> int:
+    return (count & -count).bit_length() - 1
+
+
+def update_in_place(
+    update: Callable[..., tuple[Any, Any]],
+    updates: Any,
+    stored: Any,
+    slots: Any,
+    rest: tuple[Any, ...],
+    *,
+    elements: int,
+) -> tuple[Any, Any]:
+    """``update(updates, widened_state, *rest)`` with the state stored as ``slots`` say.
+
+    ``stored`` is the state as kept (a tree whose leaves are arrays or stored leaves),
+    ``slots`` a tree of :class:`Slot` of the same structure. Returns ``(new_updates,
+    new_stored)``, the new state stored as the old one is.
+    """
+    is_stored = lambda node: isinstance(node, Slot)  # noqa: E731
+    slot_list, state_tree = jax.tree.flatten(slots, is_leaf=is_stored)
+    state_tree = cast(Any, state_tree)  # flatten_up_to: a PyTreeDef method typeshed lacks
+    stored_list = state_tree.flatten_up_to(stored)
+    wide_list = [slot.widened(leaf) for slot, leaf in zip(slot_list, stored_list, strict=True)]
+    wide_state = jax.tree.unflatten(state_tree, wide_list)
+    arguments = (updates, wide_state, *rest)
+    flat, arguments_tree = jax.tree.flatten(arguments)
+    update_trees: list[Any] = []
+
+    def traced(*leaves: Any) -> list[Any]:
+        new_updates, new_state = update(*jax.tree.unflatten(arguments_tree, leaves))
+        flat_updates, update_tree = jax.tree.flatten(new_updates)
+        update_trees.append(update_tree)
+        return [*flat_updates, *state_tree.flatten_up_to(new_state)]
+
+    program = ElementwiseProgram.read(traced, *flat)
+    if program is not None and not _same_layout(program, wide_list, update_trees[-1].num_leaves):
+        program = None  # a state that changes shape is named by the caller's check
+    if program is None:  # computed on whole arrays
+        new_updates, new_state = update(*arguments)
+        new_list = state_tree.flatten_up_to(new_state)
+        narrowed = [
+            slot.narrowed(wide, like)
+            for slot, wide, like in zip(slot_list, new_list, stored_list, strict=True)
+        ]
+        return new_updates, jax.tree.unflatten(state_tree, narrowed)
+
+    update_tree = update_trees[-1]
+    count = update_tree.num_leaves
+    outputs, values = program.evaluate(flat)
+    new_updates_list = outputs[:count]
+    new_list = outputs[count:]
+    # the flat argument index of each leaf of the state and of the gradients
+    grads_count = len(jax.tree.leaves(updates))
+    state_inputs = range(grads_count, grads_count + len(wide_list))
+    narrowed_list: list[Any] = [None] * len(slot_list)
+    for component, members in _components(program, slot_list, count).items():
+        results = _run_component(
+            program, component, members, slot_list, stored_list, flat, values,
+            state_inputs, count, elements,
+        )  # fmt: skip
+        for index, value in results.items():
+            if index < count:
+                new_updates_list[index] = value
+            else:
+                narrowed_list[index - count] = value
+    for index, (slot, wide, like) in enumerate(zip(slot_list, new_list, stored_list, strict=True)):
+        if narrowed_list[index] is None:
+            narrowed_list[index] = slot.narrowed(wide, like)
+    return (
+        jax.tree.unflatten(update_tree, new_updates_list),
+        jax.tree.unflatten(state_tree, narrowed_list),
+    )
+
+
+def _components(program: ElementwiseProgram, slots: list[Slot], count: int) -> dict[int, list[int]]:
+    """For each component whose new state is stored narrow, the state leaves it writes
+    (indices into the flat state)."""
+    found: dict[int, list[int]] = {}
+    for index, slot in enumerate(slots):
+        component = program.component_of(program.outvars[count + index])
+        if component is not None and slot.kind != "as is":
+            found.setdefault(component, []).append(index)
+    return found
+
+
+def _run_component(
+    program: ElementwiseProgram,
+    component: int,
+    narrowed: list[int],
+    slots: list[Slot],
+    stored: list[Any],
+    flat: list[Any],
+    values: dict[Any, Any],
+    state_inputs: range,
+    count: int,
+    elements: int,
+) -> dict[int, Any]:
+    """One component's new state computed in place, slice by slice: each stored leaf, by
+    flat output index (the updates' count first). Its updates are computed on whole
+    arrays, where XLA fuses them into the step that applies them."""
+    outvars = program.outvars
+    state_outputs = [
+        i
+        for i in range(len(slots))
+        if program.component_of(outvars[count + i]) == component
+        and program.invars[state_inputs[i]] in program.array_inputs(component)
+    ]
+    state_outputs = sorted(set(state_outputs) | set(narrowed))
+    shape = tuple(outvars[count + narrowed[0]].aval.shape)
+    layout = next(
+        (slots[i].layout for i in narrowed if slots[i].layout is not None),
+        block_layout(shape, 256, partial_blocks=True),
+    )
+    assert layout is not None
+    # what the loop carries: each state leaf's stored arrays
+    inputs = program.array_inputs(component)
+    carried: list[tuple[Slot, list[Any]]] = [
+        (slots[i], [*slots[i].arrays(stored[i])]) for i in state_outputs
+    ]
+    sources: dict[Any, int] = {}
+    for position, i in enumerate(state_outputs):
+        var = program.invars[state_inputs[i]]
+        if var in inputs:
+            sources[var] = position
+    others = [v for v in inputs if v not in sources]
+    other_values = [
+        values[v] if v in program.constants else flat[program.invars.index(v)] for v in others
+    ]
+    wanted = [outvars[count + i] for i in state_outputs]
+    rows, row_length = layout.rows, layout.row_length
+    # Only a block format needs a loop: its scales are maxima over blocks, which XLA
+    # computes from a widened copy of whatever it reduces. A state stored element by
+    # element (bfloat16) is read and written in one elementwise pass, which XLA fuses
+    # and writes in place without help (where a loop's slice of an array read and
+    # updated in one fusion would make XLA's CPU backend copy the array per iteration).
+    blocks = any(slots[i].kind == "blocks" for i in narrowed)
+    iterations = trip_count(rows, row_length, elements) if blocks else 1
+    group = rows // iterations
+
+    def as_rows(array: Any) -> Any:  # (group, iterations, per row) views: strided slices
+        return array.reshape(group, iterations, -1)
+
+    carry = [[as_rows(a) for a in arrays] for _, arrays in carried]
+    other_rows = [as_rows(v) for v in other_values]
+
+    def body(step: Any, carry: list[list[Any]]) -> list[list[Any]]:
+        def piece(array: Any) -> Any:
+            start = (0, step, 0)
+            return lax.dynamic_slice(array, start, (array.shape[0], 1, array.shape[2]))[:, 0]
+
+        arrays = {v: piece(a) for v, a in zip(others, other_rows, strict=True)}
+        for var, position in sources.items():
+            slot, _ = carried[position]
+            arrays[var] = slot.read_rows([piece(a) for a in carry[position]])
+        results = program.evaluate_slice(component, wanted, arrays, values, (group, row_length))
+        new_carry = []
+        for (slot, _), arrays_now, result in zip(carried, carry, results, strict=True):
+            pieces = slot.write_rows(result)
+            new_carry.append(
+                [
+                    lax.dynamic_update_slice(a, p[:, None].astype(a.dtype), (0, step, 0))
+                    for a, p in zip(arrays_now, pieces, strict=True)
+                ]
+            )
+        return new_carry
+
+    carry = body(0, carry) if iterations == 1 else lax.fori_loop(0, iterations, body, carry)
+    results: dict[int, Any] = {}
+    for position, i in enumerate(state_outputs):
+        shapes = [np.shape(a) for a in carried[position][1]]
+        arrays = [a.reshape(s) for a, s in zip(carry[position], shapes, strict=True)]
+        results[count + i] = slots[i].stored(arrays, stored[i])
+    return results
+
+
+def _same_layout(program: ElementwiseProgram, wide: list[Any], count: int) -> bool:
+    """Whether the new state has the old one's shapes and dtypes, leaf by leaf."""
+    news = program.outvars[count:]
+    return len(news) == len(wide) and all(
+        tuple(new.aval.shape) == tuple(np.shape(old)) and new.aval.dtype == jnp.result_type(old)
+        for new, old in zip(news, wide, strict=True)
+    )
