@@ -35,7 +35,12 @@ class LoweringReport:
     """What one lowered program contains.
 
     Attributes:
-      loops: ``while`` loops. On a GPU each one reads its predicate back to the
+      loops: ``while`` loops.
+      counted_loops: those among them whose trip count is fixed in the program: a
+        counter from a constant, compared with a constant, stepped by a constant (a
+        ``lax.fori_loop`` or ``lax.scan`` of static length). XLA finds the trip count,
+        and its GPU runtime runs such a loop without reading the predicate back
+        (``WhileThunk`` with a known trip count); any other loop reads it back to the
         host on every iteration.
       data_conditionals: conditionals whose predicate is computed from data; each
         one reads it back to the host. Conditionals on a constant (such as
@@ -54,6 +59,7 @@ class LoweringReport:
     """
 
     loops: int
+    counted_loops: int
     data_conditionals: int
     constant_conditionals: int
     host_transfers: int
@@ -64,8 +70,10 @@ class LoweringReport:
 
     @property
     def syncs_with_host(self) -> bool:
-        """Whether the program waits for the host: a loop, a conditional on data or a transfer."""
-        return bool(self.loops or self.data_conditionals or self.host_transfers)
+        """Whether the program waits for the host: a loop whose trip count is not fixed, a
+        conditional on data or a transfer."""
+        data_loops = self.loops - self.counted_loops
+        return bool(data_loops or self.data_conditionals or self.host_transfers)
 
 
 def lowering_report(fn: Callable[..., Any], *args: Any, platform: str = "cuda") -> LoweringReport:
@@ -133,7 +141,7 @@ def _export(jitted: Any, platform: str, args: tuple[Any, ...]) -> Any:
 def analyse_stablehlo(module: str) -> LoweringReport:
     """Count what :class:`LoweringReport` holds in a StableHLO module's text."""
     constants: set[str] = set()
-    loops = data_cases = constant_cases = host = converts = converted = 0
+    loops = counted = data_cases = constant_cases = host = converts = converted = 0
     matmuls: collections.Counter[str] = collections.Counter()
     sums: collections.Counter[str] = collections.Counter()
     lines = module.splitlines()
@@ -147,6 +155,7 @@ def analyse_stablehlo(module: str) -> LoweringReport:
                 constants.add(name)
         if "stablehlo.while" in line:
             loops += 1
+            counted += _is_counted_loop(lines, number, constants)
         if '"stablehlo.case"' in line or '"stablehlo.if"' in line or "stablehlo.if " in line:
             operand = re.search(r"\((%[\w#]+)\)", line)
             if operand and operand.group(1) in constants:
@@ -175,7 +184,49 @@ def analyse_stablehlo(module: str) -> LoweringReport:
             if math.prod(sizes[a] for a in axes) > 1:
                 sums[_element_type(operand)] += 1
     return LoweringReport(
-        loops, data_cases, constant_cases, host, converts, converted, dict(matmuls), dict(sums)
+        loops, counted, data_cases, constant_cases, host, converts, converted,
+        dict(matmuls), dict(sums),
+    )  # fmt: skip
+
+
+_LOOP_CARRY = re.compile(r"(%iterArg\w*) = (%[\w#]+)")
+_COMPARE = re.compile(r"stablehlo\.compare\s+(\w+),\s*(%[\w#]+),\s*(%[\w#]+)")
+_STEP = re.compile(r"stablehlo\.add\s+(%[\w#]+),\s*(%[\w#]+)")
+
+
+def _is_counted_loop(lines: list[str], start: int, constants: set[str]) -> bool:
+    """Whether the ``while`` at ``lines[start]`` counts from a constant to a constant by a
+    constant: its condition one comparison of a carried counter with a constant, the
+    counter starting at a constant and its body adding a constant to it."""
+    starts = dict(_LOOP_CARRY.findall(lines[start]))
+    condition: list[str] = []
+    body: list[str] = []
+    region = None
+    depth = 0
+    for line in lines[start + 1 :]:
+        stripped = line.strip()
+        if region is None and stripped == "cond {":
+            region = condition
+            continue
+        if stripped == "} do {" and depth == 0:
+            region = body
+            continue
+        if region is body and stripped.startswith("}") and depth == 0:
+            break
+        depth += line.count("{") - line.count("}")
+        if region is not None:
+            region.append(stripped)
+    compares = [match for line in condition for match in _COMPARE.findall(line)]
+    if len(compares) != 1 or len([ln for ln in condition if "stablehlo." in ln]) != 2:
+        return False
+    _, left, right = compares[0]
+    counter, bound = (left, right) if left in starts else (right, left)
+    if counter not in starts or starts[counter] not in constants or bound not in constants:
+        return False
+    return any(
+        counter in (a, b) and (b if a == counter else a) in constants
+        for line in body
+        for a, b in _STEP.findall(line)
     )
 
 

@@ -29,6 +29,7 @@ another fusion, which the tests bound).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -140,12 +141,10 @@ def _as_bytes(codes: Any) -> Any:
     return lax.bitcast_convert_type(codes, jnp.uint8)
 
 
-def slice_elements(platform_default: int | None) -> int:
-    """The elements per loop iteration: ``platform_default`` where given, else by the
-    backend that compiles (traced for the default backend)."""
-    if platform_default is not None:
-        return platform_default
-    return CPU_SLICE if jax.default_backend() == "cpu" else ACCELERATOR_SLICE
+def slice_sizes() -> dict[str, int]:
+    """Elements per loop iteration by platform, as ``lax.platform_dependent`` names them
+    (read when a step is traced, so that a test can make the slices small)."""
+    return {"cpu": CPU_SLICE, "default": ACCELERATOR_SLICE}
 
 
 def trip_count(rows: int, row_length: int, elements: int) -> int:
@@ -178,8 +177,6 @@ def update_in_place(
     stored: Any,
     slots: Any,
     rest: tuple[Any, ...],
-    *,
-    elements: int,
 ) -> tuple[Any, Any]:
     """``update(updates, widened_state, *rest)`` with the state stored as ``slots`` say.
 
@@ -227,7 +224,7 @@ def update_in_place(
     for component, members in _components(program, slot_list, count).items():
         results = _run_component(
             program, component, members, slot_list, stored_list, flat, values,
-            state_inputs, count, elements,
+            state_inputs, count,
         )  # fmt: skip
         for index, value in results.items():
             if index < count:
@@ -264,7 +261,6 @@ def _run_component(
     values: dict[Any, Any],
     state_inputs: range,
     count: int,
-    elements: int,
 ) -> dict[int, Any]:
     """One component's new state computed in place, slice by slice: each stored leaf, by
     flat output index (the updates' count first). Its updates are computed on whole
@@ -305,7 +301,49 @@ def _run_component(
     # and writes in place without help (where a loop's slice of an array read and
     # updated in one fusion would make XLA's CPU backend copy the array per iteration).
     blocks = any(slots[i].kind == "blocks" for i in narrowed)
-    iterations = trip_count(rows, row_length, elements) if blocks else 1
+    counts = {
+        platform: trip_count(rows, row_length, elements) if blocks else 1
+        for platform, elements in slice_sizes().items()
+    }
+
+    def run(iterations: int) -> list[list[Any]]:
+        carry = _loop(
+            program, component, wanted, carried, sources, others, other_values, values,
+            rows, row_length, iterations,
+        )  # fmt: skip
+        return [
+            [a.reshape(np.shape(like)) for a, like in zip(new, old, strict=True)]
+            for new, (_, old) in zip(carry, carried, strict=True)
+        ]
+
+    if len(set(counts.values())) == 1:
+        carry = run(counts["cpu"])
+    else:  # the trip count the compiling platform wants, chosen when XLA lowers the step
+        carry = lax.platform_dependent(
+            **{platform: functools.partial(run, count) for platform, count in counts.items()}
+        )
+    return {
+        count + i: slots[i].stored(carry[position], stored[i])
+        for position, i in enumerate(state_outputs)
+    }
+
+
+def _loop(
+    program: ElementwiseProgram,
+    component: int,
+    wanted: list[Any],
+    carried: list[tuple[Slot, list[Any]]],
+    sources: dict[Any, int],
+    others: list[Any],
+    other_values: list[Any],
+    values: dict[Any, Any],
+    rows: int,
+    row_length: int,
+    iterations: int,
+) -> list[list[Any]]:
+    """The carried arrays after ``iterations`` iterations, each over every
+    ``iterations``-th row: the component evaluated on the slice, the new state written
+    in place."""
     group = rows // iterations
 
     def as_rows(array: Any) -> Any:  # (group, iterations, per row) views: strided slices
@@ -335,13 +373,7 @@ def _run_component(
             )
         return new_carry
 
-    carry = body(0, carry) if iterations == 1 else lax.fori_loop(0, iterations, body, carry)
-    results: dict[int, Any] = {}
-    for position, i in enumerate(state_outputs):
-        shapes = [np.shape(a) for a in carried[position][1]]
-        arrays = [a.reshape(s) for a, s in zip(carry[position], shapes, strict=True)]
-        results[count + i] = slots[i].stored(arrays, stored[i])
-    return results
+    return body(0, carry) if iterations == 1 else lax.fori_loop(0, iterations, body, carry)
 
 
 def _same_layout(program: ElementwiseProgram, wide: list[Any], count: int) -> bool:

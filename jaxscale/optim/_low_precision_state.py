@@ -31,7 +31,7 @@ from jaxscale.optim._blockwise import (
     quantize_rows,
     value_shape,
 )
-from jaxscale.optim._in_place import AS_IS, Slot, slice_elements, update_in_place
+from jaxscale.optim._in_place import AS_IS, Slot, update_in_place
 from jaxscale.optim._kahan import KahanSummationState
 from jaxscale.optim._master_weights import MasterWeightsState
 from jaxscale.optim._variables import holding, is_variable, sharding_names, value_of
@@ -217,9 +217,7 @@ def low_precision_state(
         def update(updates: Any, wide_state: Any, params: Any) -> Any:
             return inner.update(updates, wide_state, params, **extra_args)
 
-        new_updates, new_stored = update_in_place(
-            update, updates, stored, slots, (params,), elements=slice_elements(None)
-        )
+        new_updates, new_stored = update_in_place(update, updates, stored, slots, (params,))
         _require_same_layout(stored, new_stored)
         return new_updates, LowPrecisionState(new_stored)
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxscale.optim._in_place import AS_IS, Slot, slice_elements, update_in_place
+from jaxscale.optim._in_place import AS_IS, Slot, update_in_place
 from jaxscale.optim._wrapping import as_float32_where_narrower, floating_dtype
 
 
@@ -54,7 +54,6 @@ def float32_state(
             state,
             slots,
             (as_float32_where_narrower(params),),
-            elements=slice_elements(None),
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

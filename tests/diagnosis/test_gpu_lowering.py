@@ -86,7 +86,28 @@ def test_a_conditional_on_data_is_found():
 def test_a_loop_is_found():
     result = lower(lambda x: jax.lax.while_loop(lambda c: c.sum() < 10, lambda c: c * 2, x),
                    jnp.ones(3))  # fmt: skip
-    assert result.loops == 1
+    assert (result.loops, result.counted_loops, result.syncs_with_host) == (1, 0, True)
+
+
+@pytest.mark.parametrize(
+    "loop",
+    [
+        lambda x: jax.lax.fori_loop(0, 5, lambda i, c: c.at[i].set(c[i] * 2), x),
+        lambda x: jax.lax.scan(lambda c, y: (c + y, c), x[0], x)[0],
+        lambda x: jax.lax.fori_loop(2, 7, lambda i, c: c * i, x),
+    ],
+    ids=["fori_loop", "scan", "fori_loop from 2"],
+)
+def test_a_loop_of_fixed_trip_count_is_counted_and_does_not_sync(loop):
+    # XLA's GPU runtime runs a while loop whose trip count it knows without reading the
+    # predicate back (WhileThunk with a known trip count)
+    result = lower(loop, jnp.ones(8))
+    assert (result.loops, result.counted_loops, result.syncs_with_host) == (1, 1, False)
+
+
+def test_a_loop_bounded_by_data_is_not_counted():
+    result = lower(lambda x, n: jax.lax.fori_loop(0, n, lambda i, c: c * 2, x), jnp.ones(3), 4)
+    assert (result.loops, result.counted_loops, result.syncs_with_host) == (1, 0, True)
 
 
 def test_a_host_callback_is_found():

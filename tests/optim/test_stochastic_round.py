@@ -59,6 +59,43 @@ def test_a_key_draws_bits_and_the_result_depends_on_it():
     assert raw.dtype == jnp.bfloat16
 
 
+def test_neighbouring_elements_draw_independently():
+    # two neighbours share a 32-bit word, one half each: their decisions must be
+    # independent (the same draw for both would round them together every time)
+    x = jnp.full((1000, 1000), 1.0 + 2.0**-9, jnp.float32)  # up with probability 1/4
+    up = np.asarray(jaxscale.stochastic_round(x, key=jax.random.key(3)), np.float32) > 1.0
+    assert up.mean() == pytest.approx(0.25, abs=0.002)
+    together = np.mean(up[:, 0::2] == up[:, 1::2])
+    assert together == pytest.approx(0.25**2 + 0.75**2, abs=0.003)
+    assert np.mean(up[:500] == up[500:]) == pytest.approx(0.625, abs=0.003)
+
+
+def test_bits_of_any_integer_dtype_are_taken():
+    x = np.full(6, 1.0 + 2.0**-9, np.float32)
+    draws = np.array([0, 4, 16383, 16384, 65531, 65535])
+    expected = jaxscale.stochastic_round(x, bits=draws.astype(np.int32))
+    for dtype in (np.uint16, np.int64, np.uint32):
+        np.testing.assert_array_equal(
+            jaxscale.stochastic_round(x, bits=draws.astype(dtype)), expected
+        )
+
+
+def test_float16_edges():
+    # zero stays zero (a float16 of magnitude above |x| is never below it)
+    zeros = np.array([0.0, -0.0], np.float32)
+    rounded = np.asarray(jaxscale.stochastic_round(zeros, jnp.float16, bits=np.full(2, 65535)))
+    assert rounded.tolist() == [0.0, 0.0]
+    assert np.signbit(rounded).tolist() == [False, True]
+    # past the largest float16, the gap to infinity is 32 (65504 + 32 = 65536 rounds to
+    # inf): a quarter of the way rounds away a quarter of the time, either sign
+    draws = np.arange(1 << 16)
+    for sign in (1.0, -1.0):
+        x = np.full(draws.shape, sign * (65504.0 + 8.0), np.float32)
+        rounded = np.asarray(jaxscale.stochastic_round(x, jnp.float16, bits=draws))
+        assert np.mean(np.isinf(rounded)) == 0.25
+        assert set(np.unique(rounded).tolist()) == {sign * 65504.0, sign * np.inf}
+
+
 def test_bfloat16_keeps_subnormals_and_infinities():
     # built from the bits, never through a float conversion that flushes subnormals
     subnormals = [0x0008_0001, 0x8000_0003]  # 2**-130 and -(3 * 2**-149), plus a little

@@ -35,8 +35,9 @@ def test_every_example_is_covered():
         "optax_loop",
         "data_parallel",
         "multi_host",
+        "fsdp_low_precision",
         "gpu_lowering",
-    }  # multi_host runs in tests/system/test_multiprocess.py
+    }  # multi_host and fsdp_low_precision run in tests/system/test_multiprocess.py
     assert scripts == covered
 
 

@@ -153,3 +153,32 @@ def test_a_process_that_dies_stops_the_others_with_jaxs_error(run):
     assert survivor["returncode"] != 0
     assert "another task died" in survivor["stderr"] or "heartbeat" in survivor["stderr"]
     assert elapsed < 60
+
+
+def test_8_bit_state_sharded_over_two_processes_steps_as_on_one(tmp_path, monkeypatch):
+    # examples/fsdp_low_precision.py: parameters and their 8-bit Adam state sharded along
+    # the first axis over 4 devices, as two processes of two devices and as one of four
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        fsdp = importlib.import_module("fsdp_low_precision")
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    monkeypatch.setenv("FSDP_OUT", str(tmp_path))
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("PYTHONPATH", paths.this_checkout_first())
+    records = fsdp.launch(fsdp.parse(["--processes", "2"]))
+    assert [r["returncode"] for r in records] == [0, 0], [r["stderr"] for r in records]
+    command = [sys.executable, str(EXAMPLES / "fsdp_low_precision.py"), "--local-devices", "4"]
+    import json
+    import subprocess
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": paths.this_checkout_first()}
+    alone = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    single = json.loads(alone.stdout.strip().splitlines()[-1])
+    for record in records:
+        assert record["devices"] == single["devices"] == 4
+        assert record["digest"] == single["digest"]  # parameters and state, bit for bit
+        assert record["collectives"] == single["collectives"] == 0
+        # each process holds half the state; one process of four devices holds all of it
+        assert record["state_bytes_here"] == pytest.approx(single["state_bytes"] / 2, rel=0.01)

@@ -1,0 +1,446 @@
+"""The low-precision state as a big model meets it: the compiled step's peak memory, the
+time to compile ``jax.jit(tx.init)``, FSDP-sharded steps on 8 devices, checkpoints moved
+between meshes, and every leaf quantized on request.
+
+Memory is read from ``memory_analysis()`` of steps compiled on abstract shapes
+(``jax.ShapeDtypeStruct``), so nothing of the model's size is allocated: arguments
+(parameters, gradients, state), temporaries, and outputs not written into a donated
+argument.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from support import third_party
+
+import jaxscale
+from jaxscale._src.elementwise import ElementwiseProgram
+from jaxscale.optim import _in_place
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+FORMATS = ["int8", "float8_e4m3fn", "int4", "bfloat16"]
+
+
+def adamw():
+    return third_party.optimizer(optax.adamw(1e-3, weight_decay=1e-2))
+
+
+def adam():
+    return third_party.optimizer(optax.adam(1e-3))
+
+
+def layout(parameters: float, leaves: int, dtype=F32):
+    size = int(parameters) // leaves // 256 * 256
+    return {f"p{i:03d}": jax.ShapeDtypeStruct((size,), dtype) for i in range(leaves)}
+
+
+def bytes_of(array):
+    """An array's bytes (a PRNG key's by its key data), for bitwise comparisons."""
+    if jnp.issubdtype(array.dtype, jax.dtypes.prng_key):
+        array = jax.random.key_data(array)
+    return np.asarray(array).reshape(-1).view(np.uint8)
+
+
+def step_memory(tx, params):
+    """Bytes per parameter of the compiled, donated ``update`` + ``apply_updates`` step:
+    (arguments, temporaries, outputs not aliased to an argument)."""
+    state = jax.eval_shape(tx.init, params)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        with third_party.standard_promotion():
+            return optax.apply_updates(params, updates), state
+
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
+    memory = compiled.memory_analysis()
+    count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+    unaliased = memory.output_size_in_bytes - memory.alias_size_in_bytes
+    return (
+        memory.argument_size_in_bytes / count,
+        memory.temp_size_in_bytes / count,
+        unaliased / count,
+    )
+
+
+# -- the elementwise program --------------------------------------------------------------------
+
+
+def flat_update(tx, params):
+    state = tx.init(params)
+    leaves, tree = jax.tree.flatten((params, state, params))
+
+    def fn(*xs):
+        grads, state, params = jax.tree.unflatten(tree, xs)
+        return jax.tree.leaves(tx.update(grads, state, params))
+
+    return fn, leaves
+
+
+def test_an_elementwise_optimizer_reads_as_one_component_per_parameter():
+    params = {"w": jnp.ones((8, 4)), "b": jnp.ones(4)}
+    clipped = third_party.optimizer(optax.chain(optax.clip_by_global_norm(1.0), adamw()))
+    fn, leaves = flat_update(clipped, params)
+    program = ElementwiseProgram.read(fn, *leaves)
+    assert program is not None  # the global norm is a scalar, computed on whole arrays
+    outputs = [program.component_of(v) for v in program.outvars]
+    # updates b, w; then the state: count (a scalar), mu b, mu w, nu b, nu w
+    assert outputs[0] == outputs[3] == outputs[5] != outputs[1] == outputs[4] == outputs[6]
+    assert outputs[2] is None
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optax.adafactor(1e-3),  # factored moments (rows and columns of 128 or more)
+        lambda: optax.contrib.muon(1e-3),  # matrix products
+        lambda: optax.MultiSteps(optax.adam(1e-3), 2),  # a conditional
+    ],
+    ids=["adafactor", "muon", "MultiSteps"],
+)
+def test_an_optimizer_that_is_not_elementwise_is_refused(make):
+    params = {"w": jnp.ones((256, 128))}
+    fn, leaves = flat_update(third_party.optimizer(make()), params)
+    assert ElementwiseProgram.read(fn, *leaves) is None
+
+
+def test_a_component_evaluated_on_slices_is_the_whole_evaluation_sliced():
+    params = {"w": jax.random.normal(jax.random.key(0), (16, 8))}
+    fn, leaves = flat_update(adamw(), params)
+    program = ElementwiseProgram.read(fn, *leaves)
+    outputs, values = program.evaluate(leaves)
+    component = program.component_of(program.outvars[0])
+    inputs = program.array_inputs(component)
+    rows = [leaf.reshape(4, 32) if leaf.ndim else leaf for leaf in leaves]
+    for row in range(4):
+        arrays = {v: rows[program.invars.index(v)][row] for v in inputs}
+        wanted = [v for v in program.outvars if program.component_of(v) == component]
+        pieces = program.evaluate_slice(component, wanted, arrays, values, (32,))
+        expected = [outputs[program.outvars.index(v)].reshape(4, 32)[row] for v in wanted]
+        for got, want in zip(pieces, expected, strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+# -- slices and whole arrays agree --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_step_in_slices_stores_what_a_step_on_whole_arrays_stores(fmt, monkeypatch):
+    params = {
+        "w": jax.random.normal(jax.random.key(0), (96, 256)) * 0.1,
+        "v": jax.random.normal(jax.random.key(1), (8192,)),
+    }
+    tx = jaxscale.low_precision_state(adamw(), fmt)
+
+    def run():
+        state = tx.init(params)
+        step = jax.jit(tx.update)
+        current = params
+        for index in range(3):
+            grads = jax.tree.map(lambda p, k=index: jnp.sin(p * (k + 1)), current)
+            updates, state = step(grads, state, current)
+            current = jax.tree.map(jnp.add, current, updates)
+        return current, state
+
+    whole_params, whole_state = run()
+    monkeypatch.setattr(_in_place, "CPU_SLICE", 1024)  # every leaf in 4 to 96 iterations
+    sliced_params, sliced_state = run()
+    for a, b in zip(jax.tree.leaves(whole_state), jax.tree.leaves(sliced_state), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
+    for a, b in zip(jax.tree.leaves(whole_params), jax.tree.leaves(sliced_params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+# -- peak memory --------------------------------------------------------------------------------
+
+
+def test_the_8_bit_and_float8_steps_peak_below_float32_adams():
+    params = layout(10e6, 50)
+    _, baseline_temporaries, _ = step_memory(adamw(), params)
+    baseline = sum(step_memory(adamw(), params))
+    assert baseline == pytest.approx(16.0, abs=0.01)  # parameters, gradients, two moments
+    assert baseline_temporaries < 0.01
+    for fmt, at_rest in [("int8", 10.03), ("float8_e4m3fn", 10.03), ("int4", 9.06)]:
+        arguments, temporaries, unaliased = step_memory(
+            jaxscale.low_precision_state(adamw(), fmt), params
+        )
+        assert arguments == pytest.approx(at_rest, abs=0.01), fmt
+        assert unaliased < 0.01, fmt  # the new state is written into the donated old one
+        # the old state, kept while the new one is written (Optax applies the update
+        # after the transform returns it), and a slice's temporaries
+        assert temporaries < 2.3 if fmt != "int4" else temporaries < 1.3, fmt
+        assert arguments + temporaries + unaliased < 0.8 * baseline, fmt
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_temporaries_stay_a_constant_per_parameter_with_large_leaves(fmt):
+    # 32M parameters in 4 leaves: a whole-array step held 16 bytes per parameter
+    _, temporaries, _ = step_memory(
+        jaxscale.low_precision_state(adamw(), fmt), layout(32e6, 4)
+    )
+    assert temporaries <= {"int8": 2.1, "float8_e4m3fn": 2.4, "int4": 1.1, "bfloat16": 4.01}[fmt]
+
+
+def test_compositions_keep_their_temporaries_bounded():
+    params = layout(10e6, 50, BF16)
+    measured = {
+        name: step_memory(make(), params)[1]
+        for name, make in {
+            "master_weights": lambda: jaxscale.master_weights(adamw()),
+            "master_weights(int8 state)": lambda: jaxscale.master_weights(
+                jaxscale.low_precision_state(adamw(), "int8")
+            ),
+        }.items()
+    }
+    assert measured["master_weights"] < 0.01
+    # the gradients cast to float32 for the masters (4) and the old 8-bit state (2)
+    assert measured["master_weights(int8 state)"] < 6.2
+
+
+# -- jit(init) ----------------------------------------------------------------------------------
+
+
+def test_jit_init_quantizes_nothing_and_equals_eager_init():
+    params = {f"p{i}": jnp.zeros((1000, 200)) for i in range(4)}  # 200K each
+    for fmt in FORMATS:
+        tx = jaxscale.low_precision_state(adamw(), fmt)
+        module = jax.jit(tx.init).lower(params).as_text()
+        assert not re.search(r"stablehlo\.(reduce|gather|divide)\b", module), fmt
+        eager, jitted = tx.init(params), jax.jit(tx.init)(params)
+        for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True):
+            np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
+
+
+def test_zero_state_is_stored_as_torchaos_zeros_and_another_constant_quantized():
+    params = {"w": jnp.zeros((64, 64))}
+    state = jaxscale.low_precision_state(adam(), "int4").init(params).inner_state[0]
+    assert not np.asarray(state.mu["w"].codes).any()
+    assert not np.asarray(state.nu["w"].scale).any()
+    # an optimizer whose state starts at a constant other than zero
+    rms = third_party.optimizer(optax.scale_by_rms(initial_scale=0.5))
+    stored = jaxscale.low_precision_state(rms, "int8").init(params).inner_state.nu["w"]
+    codes, scale = jaxscale.quantize_blockwise(jnp.full((64, 64), 0.5), "int8", signed=False)
+    np.testing.assert_array_equal(stored.codes, codes)
+    np.testing.assert_array_equal(stored.scale, scale)
+
+
+def test_jit_init_compiles_about_as_fast_as_optaxs():
+    params = layout(10e6, 50)
+
+    def seconds(tx):
+        start = time.perf_counter()
+        jax.jit(tx.init).lower(params).compile()
+        return time.perf_counter() - start
+
+    optax_time = seconds(adamw())
+    ours = seconds(jaxscale.low_precision_state(adamw(), "int8"))
+    # 27 s when XLA folded the quantization of the zero moments block by block
+    assert ours < 10 * optax_time + 1.0
+
+
+# -- every leaf, on request ---------------------------------------------------------------------
+
+
+def test_partial_blocks_quantize_every_leaf_and_keep_torchaos_leaves():
+    params = {
+        "dense": jnp.ones((1000, 1000)) * 0.01,  # 1,000,000 = 3,906.25 blocks of 256
+        "stem": jnp.ones((7, 7, 3, 64)) * 0.01,  # 9,408 = 36.75 blocks
+        "aligned": jnp.ones((64, 512)) * 0.01,  # quantized by torchao's rule too
+        "small": jnp.ones((100,)),  # under 4,096 elements: kept
+    }
+    grads = jax.tree.map(lambda p: jnp.cos(p * 100), params)
+    default = jaxscale.low_precision_state(adam(), "int8")
+    every = jaxscale.low_precision_state(adam(), "int8", partial_blocks=True)
+    states = []
+    for tx in (default, every):
+        state = tx.init(params)
+        _, state = jax.jit(tx.update)(grads, state, params)
+        states.append(state.inner_state[0])
+    torchao_rule, partial = states
+    assert partial.mu["dense"].scale.shape == (1000, 4)  # each row: 3 blocks and one of 232
+    assert partial.mu["stem"].scale.shape == (7, 6)  # rows of 7 x 3 x 64 = 1,344
+    assert torchao_rule.mu["dense"].dtype == F32
+    np.testing.assert_array_equal(partial.mu["aligned"].codes, torchao_rule.mu["aligned"].codes)
+    np.testing.assert_array_equal(partial.nu["aligned"].scale, torchao_rule.nu["aligned"].scale)
+    assert partial.mu["small"].dtype == F32
+    # and the partial blocks hold their values
+    wide = jaxscale.dequantize_blockwise(*partial.mu["dense"], "int8", block_size=256)
+    expected = (1 - 0.9) * grads["dense"]
+    np.testing.assert_allclose(wide, expected, rtol=0.02, atol=1e-6)
+
+
+# -- FSDP ---------------------------------------------------------------------------------------
+
+COLLECTIVE = re.compile(
+    r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\("
+)
+
+
+def fsdp_mesh(devices=8):
+    return jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("fsdp",))
+
+
+def sharded_like_parameters(mesh, tree):
+    """Each leaf sharded along its first axis (a state's codes and scales follow their
+    parameter's leading axes), scalars replicated."""
+    return jax.tree.map(lambda leaf: NamedSharding(mesh, P("fsdp") if np.ndim(leaf) else P()), tree)
+
+
+FSDP_PARAMS = {
+    "a": (2048, 1024),
+    "b": (4096,),
+    "c": (512, 64),  # blocks span rows
+    "d": (1024, 1000),  # blocks span rows, and the rows are not a power of two of blocks
+}
+
+
+def fsdp_step(tx, mesh):
+    params = {
+        name: jax.ShapeDtypeStruct(shape, F32, sharding=NamedSharding(mesh, P("fsdp")))
+        for name, shape in FSDP_PARAMS.items()
+    }
+    state = jax.eval_shape(tx.init, params)
+    shardings = sharded_like_parameters(mesh, state)
+    state = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings
+    )
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=(None, shardings))
+    return jitted, params, state
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        *[lambda f=f: jaxscale.low_precision_state(adamw(), f) for f in FORMATS],
+        lambda: jaxscale.low_precision_state(adamw(), "int8", partial_blocks=True),
+        lambda: jaxscale.grad_scaler(jaxscale.low_precision_state(adamw(), "int8")),
+    ],
+    ids=[*FORMATS, "int8, partial blocks", "grad_scaler(int8)"],
+)
+def test_an_fsdp_step_communicates_nothing_but_the_finite_check(make):
+    mesh = fsdp_mesh()
+    jitted, params, state = fsdp_step(make(), mesh)
+    compiled = jitted.lower(params, state, params).compile()
+    collectives = COLLECTIVE.findall(compiled.as_text())
+    # grad_scaler's one all-reduce of its finite check: booleans
+    assert all(kind == "all-reduce" and "pred" in shape for shape, kind, _ in collectives)
+    for leaf, sharding in zip(
+        jax.tree.leaves(state), jax.tree.leaves(compiled.output_shardings[1]), strict=True
+    ):
+        assert not leaf.ndim or not sharding.is_fully_replicated
+
+
+def test_an_fsdp_step_computes_what_one_device_does():
+    mesh = fsdp_mesh()
+    tx = jaxscale.low_precision_state(adamw(), "int8")
+    jitted, abstract_params, abstract_state = fsdp_step(tx, mesh)
+    key = jax.random.key(0)
+    params = {
+        name: jax.random.normal(jax.random.fold_in(key, i), shape) * 0.1
+        for i, (name, shape) in enumerate(FSDP_PARAMS.items())
+    }
+    grads = jax.tree.map(lambda p: jnp.sin(p * 7), params)
+    alone = jax.jit(tx.update)(grads, tx.init(params), params)
+    put = lambda tree, like: jax.tree.map(  # noqa: E731
+        lambda x, s: jax.device_put(x, s.sharding), tree, like
+    )
+    sharded_params, new_state = jitted(
+        put(params, abstract_params),
+        put(tx.init(params), abstract_state),
+        put(grads, abstract_params),
+    )
+    for a, b in zip(jax.tree.leaves(alone[1]), jax.tree.leaves(new_state), strict=True):
+        np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
+        assert len(b.sharding.device_set) == 8
+    with third_party.standard_promotion():
+        expected = optax.apply_updates(params, alone[0])
+    # the parameters to float32's rounding (the sharded program fuses the update into its
+    # addition differently: a last-bit difference where a parameter is near zero)
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(sharded_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_an_8_bit_state_saved_on_8_devices_restores_onto_4_bit_for_bit(tmp_path):
+    import orbax.checkpoint as ocp
+
+    tx = jaxscale.low_precision_state(adamw(), "int8")
+    params = {name: jnp.full(shape, 0.1) for name, shape in FSDP_PARAMS.items()}
+    grads = jax.tree.map(
+        lambda p: jnp.sin(jnp.arange(p.size, dtype=F32).reshape(p.shape) * 1e-3), params
+    )
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    eight = jax.device_put(state, sharded_like_parameters(fsdp_mesh(8), state))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "state", eight)
+    checkpointer.wait_until_finished()
+    four = sharded_like_parameters(fsdp_mesh(4), state)
+    target = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, four
+    )
+    restored = checkpointer.restore(tmp_path / "state", target)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
+        assert len(b.sharding.device_set) == (4 if b.ndim else len(b.sharding.device_set))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxscale.stochastic_rounding(adamw(), key=jax.random.key(0)),
+        lambda: jaxscale.kahan_summation(adamw()),
+        lambda: jaxscale.master_weights(adamw()),
+        lambda: jaxscale.master_weights(jaxscale.low_precision_state(adamw(), "int8")),
+    ],
+    ids=["stochastic_rounding", "kahan_summation", "master_weights", "master_weights(int8)"],
+)
+def test_the_parameter_writers_communicate_nothing_under_fsdp(make):
+    mesh = fsdp_mesh()
+    tx = make()
+    params = {
+        name: jax.ShapeDtypeStruct(shape, BF16, sharding=NamedSharding(mesh, P("fsdp")))
+        for name, shape in FSDP_PARAMS.items()
+    }
+    state = jax.eval_shape(tx.init, params)
+    shardings = sharded_like_parameters(mesh, state)
+    state = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings
+    )
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        with third_party.standard_promotion():
+            return optax.apply_updates(params, updates), state
+
+    jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=(None, shardings))
+    compiled = jitted.lower(params, state, params).compile()
+    assert COLLECTIVE.findall(compiled.as_text()) == []
+
+
+def test_stochastic_rounding_draws_the_same_bits_on_any_mesh():
+    tx = jaxscale.stochastic_rounding(adamw(), key=jax.random.key(0))
+    params = {
+        name: (jax.random.normal(jax.random.key(i), shape) * 0.1).astype(BF16)
+        for i, (name, shape) in enumerate(FSDP_PARAMS.items())
+    }
+    grads = jax.tree.map(lambda p: jnp.sin(p * 3), params)
+    alone = jax.jit(tx.update)(grads, tx.init(params), params)
+    mesh = fsdp_mesh()
+    put = lambda tree: jax.device_put(tree, sharded_like_parameters(mesh, tree))  # noqa: E731
+    sharded = jax.jit(tx.update)(put(grads), put(tx.init(params)), put(params))
+    for a, b in zip(jax.tree.leaves(alone), jax.tree.leaves(sharded), strict=True):
+        np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
