@@ -185,9 +185,7 @@ def test_the_8_bit_and_float8_steps_peak_below_float32_adams():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_temporaries_stay_a_constant_per_parameter_with_large_leaves(fmt):
     # 32M parameters in 4 leaves: a whole-array step held 16 bytes per parameter
-    _, temporaries, _ = step_memory(
-        jaxscale.low_precision_state(adamw(), fmt), layout(32e6, 4)
-    )
+    _, temporaries, _ = step_memory(jaxscale.low_precision_state(adamw(), fmt), layout(32e6, 4))
     assert temporaries <= {"int8": 2.1, "float8_e4m3fn": 2.4, "int4": 1.1, "bfloat16": 4.01}[fmt]
 
 
