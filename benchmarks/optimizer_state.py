@@ -1,4 +1,5 @@
-"""Low-precision parameters and optimizer state: bytes per parameter and step time.
+"""Low-precision parameters and optimizer state: bytes per parameter at rest and at the
+compiled step's peak, and step time.
 
 For one parameter layout (10M parameters in 50 leaves by default), each variant
 runs ``update`` + ``apply_updates`` under ``jax.jit`` with parameters and state
@@ -8,11 +9,16 @@ float32 parameters:
 * on bfloat16 parameters: ``master_weights(adamw)``, ``stochastic_rounding(adamw)``,
   ``kahan_summation(adamw)``, and ``adamw`` alone (round to nearest, which stalls);
 * on float32 parameters: ``low_precision_state(adamw, dtype)`` for bfloat16,
-  float8_e4m3fn and 8 bits (torchao's ``AdamWFp8`` and ``AdamW8bit`` formats).
+  float8_e4m3fn, 8 and 4 bits (torchao's ``AdamWFp8``, ``AdamW8bit`` and
+  ``AdamW4bit`` formats), and the compositions ``master_weights(low_precision_state)``
+  and ``grad_scaler(low_precision_state)``.
 
-Bytes per parameter count what the step keeps between calls beyond the gradients:
-the parameters and the optimizer's state (``nbytes`` of every leaf), and Adam's
-state alone.
+Memory is read from the step compiled on abstract shapes (``jax.ShapeDtypeStruct``;
+nothing is allocated), as bytes per parameter: at rest (the step's arguments:
+parameters, gradients and state), the temporaries XLA needs on top, and the peak
+(their sum, with any output not written into a donated argument). ``--torch cpu``
+also times torchao's optimizers against PyTorch's fused ``AdamW`` on the same layout
+(torchao compiles its step with ``torch.compile``, as it ships).
 
     python -m benchmarks.optimizer_state --layout 10M/50 --repeats 7
 """
@@ -20,6 +26,8 @@ state alone.
 from __future__ import annotations
 
 import argparse
+import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +36,7 @@ import jax.numpy as jnp
 import optax
 
 import jaxscale
-from benchmarks.harness import JaxStepper, measure, table
+from benchmarks.harness import JaxStepper, Result, Stepper, measure, table
 
 LEARNING_RATE = 1e-3
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -36,6 +44,10 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 
 def adamw() -> optax.GradientTransformation:
     return optax.adamw(LEARNING_RATE)
+
+
+def state(dtype: Any) -> Callable[[], optax.GradientTransformation]:
+    return lambda: jaxscale.low_precision_state(adamw(), dtype)
 
 
 VARIANTS: dict[str, tuple[Any, Callable[[], optax.GradientTransformation]]] = {
@@ -48,20 +60,27 @@ VARIANTS: dict[str, tuple[Any, Callable[[], optax.GradientTransformation]]] = {
     "kahan_summation(adamw), bfloat16 parameters": (
         BF16, lambda: jaxscale.kahan_summation(adamw())
     ),
-    "low_precision_state(adamw, bfloat16)": (F32, lambda: jaxscale.low_precision_state(adamw())),
-    "low_precision_state(adamw, float8_e4m3fn)": (
-        F32, lambda: jaxscale.low_precision_state(adamw(), jnp.float8_e4m3fn)
+    "low_precision_state(adamw, bfloat16)": (F32, state("bfloat16")),
+    "low_precision_state(adamw, float8_e4m3fn)": (F32, state("float8_e4m3fn")),
+    "low_precision_state(adamw, int8)": (F32, state("int8")),
+    "low_precision_state(adamw, int4)": (F32, state("int4")),
+    "master_weights(low_precision_state(adamw, int8)), bfloat16 parameters": (
+        BF16, lambda: jaxscale.master_weights(jaxscale.low_precision_state(adamw(), "int8"))
     ),
-    "low_precision_state(adamw, int8)": (
-        F32, lambda: jaxscale.low_precision_state(adamw(), "int8")
+    "grad_scaler(low_precision_state(adamw, int8))": (
+        F32, lambda: jaxscale.grad_scaler(jaxscale.low_precision_state(adamw(), "int8"))
     ),
 }  # fmt: skip
 BASELINE = "adamw, float32 parameters (baseline)"
 
 
+def leaf_size(n_params: int, n_leaves: int) -> int:
+    # leaves of a multiple of 256 elements, so that the block formats quantize every one
+    return n_params // n_leaves // 256 * 256
+
+
 def parameters(n_params: int, n_leaves: int, dtype: Any) -> dict[str, jax.Array]:
-    # leaves of a multiple of 256 elements, so that the 8-bit formats quantize every one
-    size = n_params // n_leaves // 256 * 256
+    size = leaf_size(n_params, n_leaves)
     key = jax.random.key(0)
     return {
         f"p{i:03d}": (1e-2 * jax.random.normal(jax.random.fold_in(key, i), (size,))).astype(dtype)
@@ -69,53 +88,138 @@ def parameters(n_params: int, n_leaves: int, dtype: Any) -> dict[str, jax.Array]
     }
 
 
-def stepper(dtype: Any, make_tx: Callable[[], Any], n_params: int, n_leaves: int) -> JaxStepper:
-    tx = make_tx()
-    params = parameters(n_params, n_leaves, dtype)
-    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
+def abstract_parameters(n_params: int, n_leaves: int, dtype: Any) -> dict[str, Any]:
+    size = leaf_size(n_params, n_leaves)
+    return {f"p{i:03d}": jax.ShapeDtypeStruct((size,), dtype) for i in range(n_leaves)}
 
+
+def step_of(tx: Any) -> Callable[..., tuple[Any, Any]]:
     def step(params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    return JaxStepper(jax.jit(step, donate_argnums=(0, 1)), (params, tx.init(params)), (grads,))
+    return step
 
 
-def bytes_per_parameter(dtype: Any, make_tx: Callable[[], Any]) -> tuple[float, float]:
-    """(parameters and state, the optimizer's state alone), per parameter."""
-    params = jax.eval_shape(lambda: parameters(1 << 20, 4, dtype))
-    state = jax.eval_shape(make_tx().init, params)
-    count = sum(leaf.size for leaf in jax.tree.leaves(params))
+def stepper(dtype: Any, make_tx: Callable[[], Any], n_params: int, n_leaves: int) -> JaxStepper:
+    tx = make_tx()
+    params = parameters(n_params, n_leaves, dtype)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
+    step = jax.jit(step_of(tx), donate_argnums=(0, 1))
+    return JaxStepper(step, (params, tx.init(params)), (grads,))
 
-    def nbytes(tree: Any) -> int:
-        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
-    return (nbytes(params) + nbytes(state)) / count, nbytes(state) / count
+def memory(dtype: Any, make_tx: Callable[[], Any], n_params: int, n_leaves: int) -> dict:
+    """Bytes per parameter of the donated step compiled on abstract shapes: at rest
+    (arguments), the temporaries, the peak, and the optimizer's state alone."""
+    tx = make_tx()
+    params = abstract_parameters(n_params, n_leaves, dtype)
+    state = jax.eval_shape(tx.init, params)
+    compiled = jax.jit(step_of(tx), donate_argnums=(0, 1)).lower(params, state, params).compile()
+    analysis = compiled.memory_analysis()
+    count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+    unaliased = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+    state_bytes = sum(
+        math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)
+    )
+    return {
+        "at rest": analysis.argument_size_in_bytes / count,
+        "temporaries": analysis.temp_size_in_bytes / count,
+        "peak": (analysis.argument_size_in_bytes + analysis.temp_size_in_bytes + unaliased) / count,
+        "state": state_bytes / count,
+    }
+
+
+class TorchStepper(Stepper):
+    """A torch optimizer stepping parameters of the layout with fixed gradients."""
+
+    def __init__(self, make: Callable[[list], Any], n_params: int, n_leaves: int, dtype: Any):
+        import torch
+
+        self.torch = torch
+        size = leaf_size(n_params, n_leaves)
+        generator = torch.Generator().manual_seed(0)
+        self.params = [
+            torch.nn.Parameter((torch.randn(size, generator=generator) * 1e-2).to(dtype))
+            for _ in range(n_leaves)
+        ]
+        for p in self.params:
+            p.grad = torch.full_like(p, 1e-3)
+        self.optimizer = make(self.params)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def block(self) -> None:
+        pass
+
+
+def torch_variants(n_params: int, n_leaves: int) -> dict[str, Callable[[], Stepper]]:
+    import torch
+
+    with warnings.catch_warnings():  # torchao's import warns about its optional GPU kernels
+        warnings.simplefilter("ignore")
+        from torchao.optim import AdamW4bit, AdamW8bit, AdamWFp8, _AdamW
+
+    def make(optimizer: Any, dtype: Any = torch.float32, **options: Any) -> Callable[[], Stepper]:
+        return lambda: TorchStepper(
+            lambda p: optimizer(p, lr=LEARNING_RATE, **options), n_params, n_leaves, dtype
+        )
+
+    return {
+        "torch AdamW (fused), float32 (baseline)": make(torch.optim.AdamW, fused=True),
+        "torchao _AdamW, bfloat16, stochastic rounding": make(
+            _AdamW, torch.bfloat16, bf16_stochastic_round=True
+        ),
+        "torchao AdamWFp8": make(AdamWFp8),
+        "torchao AdamW8bit": make(AdamW8bit),
+        "torchao AdamW4bit": make(AdamW4bit),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout", default="10M/50", help="parameters/leaves, e.g. 10M/50")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--torch", choices=["cpu", "none"], default="none")
+    parser.add_argument("--memory-only", action="store_true")
     args = parser.parse_args(argv)
     count, leaves = args.layout.split("/")
-    n_params = int(float(count.rstrip("M")) * 1e6)
+    n_params, n_leaves = int(float(count.rstrip("M")) * 1e6), int(leaves)
 
-    print("| variant | bytes per parameter (parameters + state) | optimizer state alone |")
-    print("|---|---|---|")
-    memory = {}
+    print(f"Bytes per parameter, {args.layout} parameters/leaves, the donated step compiled:\n")
+    print("| variant | at rest | temporaries | peak | optimizer state alone |")
+    print("|---|---|---|---|---|")
+    footprint = {}
     for name, (dtype, make_tx) in VARIANTS.items():
-        memory[name] = bytes_per_parameter(dtype, make_tx)
-        print(f"| {name} | {memory[name][0]:.3f} | {memory[name][1]:.3f} |")
+        footprint[name] = memory(dtype, make_tx, n_params, n_leaves)
+        row = footprint[name]
+        print(
+            f"| {name} | {row['at rest']:.2f} | {row['temporaries']:.2f} | {row['peak']:.2f} "
+            f"| {row['state']:.3f} |",
+            flush=True,
+        )
+    if args.memory_only:
+        return {"memory": footprint}
 
     variants = {
-        name: (lambda d=dtype, m=make_tx: stepper(d, m, n_params, int(leaves)))
+        name: (lambda d=dtype, m=make_tx: stepper(d, m, n_params, n_leaves))
         for name, (dtype, make_tx) in VARIANTS.items()
     }
-    results = measure(variants, BASELINE, repeats=args.repeats)
+    results: list[Result] = measure(variants, BASELINE, repeats=args.repeats)
     print(f"\nStep time, {args.layout} parameters/leaves, ratio to {BASELINE}:\n")
     print(table(results), flush=True)
-    return {"memory": memory, "step": results}
+    out: dict[str, Any] = {"memory": footprint, "step": results}
+    if args.torch != "none":
+        theirs = measure(
+            torch_variants(n_params, n_leaves),
+            "torch AdamW (fused), float32 (baseline)",
+            repeats=args.repeats,
+        )
+        print("\ntorchao on the same layout, ratio to torch's fused AdamW:\n")
+        print(table(theirs), flush=True)
+        out["torchao"] = theirs
+    return out
 
 
 if __name__ == "__main__":

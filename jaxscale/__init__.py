@@ -12,10 +12,14 @@ precision (master weights, stochastic rounding, Kahan summation, 8-bit state).
 from jaxscale.casting import autocast as autocast
 from jaxscale.casting import custom_fwd as custom_fwd
 from jaxscale.casting import dequantize_mx as dequantize_mx
+from jaxscale.casting import dequantize_nvfp4 as dequantize_nvfp4
 from jaxscale.casting import get_autocast_dtype as get_autocast_dtype
 from jaxscale.casting import is_autocast_enabled as is_autocast_enabled
+from jaxscale.casting import nvfp4_per_tensor_scale as nvfp4_per_tensor_scale
 from jaxscale.casting import quantize_float8 as quantize_float8
 from jaxscale.casting import quantize_mx as quantize_mx
+from jaxscale.casting import quantize_nvfp4 as quantize_nvfp4
+from jaxscale.casting import random_hadamard_transform as random_hadamard_transform
 from jaxscale.core import ScalerState as ScalerState
 from jaxscale.core import ScaleWarning as ScaleWarning
 from jaxscale.core import all_finite as all_finite
@@ -76,6 +80,7 @@ __all__ = [
     "custom_fwd",
     "dequantize_blockwise",
     "dequantize_mx",
+    "dequantize_nvfp4",
     "format_precision_stats",
     "found_inf",
     "get_autocast_dtype",
@@ -93,10 +98,13 @@ __all__ = [
     "metrics",
     "nonfinite_leaves",
     "nonfinite_paths",
+    "nvfp4_per_tensor_scale",
     "precision_stats",
     "quantize_blockwise",
     "quantize_float8",
     "quantize_mx",
+    "quantize_nvfp4",
+    "random_hadamard_transform",
     "scale",
     "scale_outputs",
     "skipped_steps",

@@ -15,6 +15,10 @@ from jaxscale.casting._float8_matmul import Float8Recipe as Float8Recipe
 from jaxscale.casting._float8_matmul import MXRecipe as MXRecipe
 from jaxscale.casting._mx import dequantize_mx as dequantize_mx
 from jaxscale.casting._mx import quantize_mx as quantize_mx
+from jaxscale.casting._nvfp4 import dequantize_nvfp4 as dequantize_nvfp4
+from jaxscale.casting._nvfp4 import nvfp4_per_tensor_scale as nvfp4_per_tensor_scale
+from jaxscale.casting._nvfp4 import quantize_nvfp4 as quantize_nvfp4
+from jaxscale.casting._nvfp4 import random_hadamard_transform as random_hadamard_transform
 from jaxscale.casting._policy import AS_TRACED as AS_TRACED
 from jaxscale.casting._policy import CPU_POLICY as CPU_POLICY
 from jaxscale.casting._policy import POLICY as POLICY
@@ -41,10 +45,14 @@ __all__ = [
     "autocast",
     "custom_fwd",
     "dequantize_mx",
+    "dequantize_nvfp4",
     "get_autocast_dtype",
     "is_autocast_enabled",
+    "nvfp4_per_tensor_scale",
     "quantize_float8",
     "quantize_mx",
+    "quantize_nvfp4",
+    "random_hadamard_transform",
     "register_policy",
     "row_for",
 ]

@@ -21,6 +21,8 @@ from jaxscale.core._scaling import inverse_scale as inverse_scale
 from jaxscale.core._scaling import scale_outputs as scale_outputs
 from jaxscale.core._scaling import unscale_and_check as unscale_and_check
 from jaxscale.core._skip import run_unless as run_unless
+from jaxscale.core._skip import skip_applied as skip_applied
+from jaxscale.core._skip import skip_predicate as skip_predicate
 from jaxscale.core._skip import update_unless as update_unless
 from jaxscale.core._state import ScalerState as ScalerState
 from jaxscale.core._state import init_scaler_state as init_scaler_state
@@ -40,6 +42,8 @@ __all__ = [
     "nonfinite_paths",
     "run_unless",
     "scale_outputs",
+    "skip_applied",
+    "skip_predicate",
     "unscale_and_check",
     "update_scale",
     "update_unless",

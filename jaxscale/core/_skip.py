@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import jax
@@ -14,6 +16,7 @@ from jaxscale._src.jaxprs import (
     bind_as_call,
     call_jaxpr,
     fresh_variable,
+    identity_primitive,
     inlined_equations,
     is_traced,
     is_variable,
@@ -22,6 +25,37 @@ from jaxscale._src.jaxprs import (
 )
 
 T = TypeVar("T")
+
+# The predicate of the skip whose update is being traced, for an update that writes a
+# value piece by piece (a loop over slices of a state) and applies the skip to each
+# piece itself: a select after the whole loop would keep the old value beside the new.
+_PREDICATE: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
+    "jaxscale_skip_predicate", default=None
+)
+# Marks a value its update has already selected against the skip.
+_SKIP_APPLIED = identity_primitive("jaxscale_skip_applied")
+
+
+def skip_predicate() -> jax.Array | None:
+    """The predicate (true: skip) of the step whose update is being traced by
+    :func:`run_unless` or :func:`update_unless`, or ``None`` outside one. An update that
+    keeps the old value of a state it writes where this is true, and passes the result
+    through :func:`skip_applied`, is not selected again after it."""
+    return _PREDICATE.get()
+
+
+def skip_applied(value: jax.Array) -> jax.Array:
+    """``value``, marked as already selected against :func:`skip_predicate`."""
+    return _SKIP_APPLIED.bind(value)
+
+
+@contextlib.contextmanager
+def _skipping(found_inf: jax.Array) -> Iterator[None]:
+    token = _PREDICATE.set(found_inf)
+    try:
+        yield
+    finally:
+        _PREDICATE.reset(token)
 
 
 def skipped_update(update: jax.Array) -> jax.Array:
@@ -61,7 +95,9 @@ def skip_by_select(found_inf: jax.Array, fn: Callable[[T], T], carry: T) -> T:
     def flat_fn(*leaves: Any) -> list[Any]:
         return jax.tree.leaves(fn(jax.tree.unflatten(tree, leaves)))
 
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*before)
+    found_inf = jnp.asarray(found_inf, jnp.bool_)
+    with _skipping(found_inf):
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*before)
     if len(out_shape) != len(before):
         raise ValueError(
             f"the skipped function must return its carry's structure: {len(before)} "
@@ -143,10 +179,17 @@ def _with_selects(
     """
     counts = collections.Counter(var for var in outvars if is_variable(var))
     computed = {var for eqn in equations for var in eqn.outvars}
+    selected_already = {
+        var for eqn in equations if eqn.primitive is _SKIP_APPLIED for var in eqn.outvars
+    }
     in_place = {
         var: old
         for var, old, back in zip(outvars, olds, read_back, strict=True)
-        if back and is_variable(var) and counts[var] == 1 and var in computed
+        if back
+        and is_variable(var)
+        and counts[var] == 1
+        and var in computed
+        and var not in selected_already
     }
     selecting: list[Any] = []
     selected: dict[Any, Any] = {}
@@ -160,6 +203,8 @@ def _with_selects(
     for var, old in zip(outvars, olds, strict=True):
         if is_variable(var) and var in in_place:
             results.append(selected[var])
+        elif is_variable(var) and var in selected_already:
+            results.append(var)
         else:
             out = fresh_variable(var.aval)
             selecting.append(select_equation(which, [var, old], out))
@@ -219,7 +264,9 @@ def update_unless(
         trees.append((updates_tree, len(flat_updates)))
         return [*flat_updates, *flat_state]
 
-    closed, out_shape = jax.make_jaxpr(flat_update, return_shape=True)(*before)
+    found_inf = jnp.asarray(found_inf, jnp.bool_)
+    with _skipping(found_inf):
+        closed, out_shape = jax.make_jaxpr(flat_update, return_shape=True)(*before)
     updates_tree, count = trees[-1]
     skipped = _skipped_values_shared(out_shape[:count])
     outs = _run_selecting(found_inf, closed, before, [*skipped, *before])

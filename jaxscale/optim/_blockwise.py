@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale._src.exact import divide_by_constant, divide_exactly
 from jaxscale._src.validation import dtype_choice
 from jaxscale.optim import _dynamic_maps
 
@@ -181,19 +182,6 @@ def quantizable(layout: BlockLayout | None, fmt: BlockFormat) -> bool:
 
 
 # -- the arithmetic, on rows --------------------------------------------------------------------
-
-
-def divide_exactly(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
-    """``numerator / denominator`` (the latter broadcast) correctly rounded: see the
-    module's notes. A NaN numerator is divided by one (NaN either way)."""
-    denominator = jnp.broadcast_to(denominator, numerator.shape)
-    return numerator / jnp.where(jnp.isnan(numerator), np.float32(1), denominator)
-
-
-def divide_by_constant(numerator: jax.Array, constant: np.float32) -> jax.Array:
-    """``numerator / constant`` correctly rounded, for an array of a block's size or less."""
-    held = lax.optimization_barrier(jnp.full(numerator.shape, constant, jnp.float32))
-    return numerator / held
 
 
 def scale_of(amax: jax.Array, fmt: BlockFormat) -> jax.Array:
@@ -420,7 +408,8 @@ def quantize_blockwise(
     ...     jnp.array([0.5, -1.0, 0.25, 0.0]), "int8", block_size=4)
     >>> codes.tolist(), scale.tolist()
     ([219, 0, 201, 127], [1.0])
-    >>> [round(v, 4) for v in jaxscale.dequantize_blockwise(codes, scale, "int8").tolist()]
+    >>> back = jaxscale.dequantize_blockwise(codes, scale, "int8", signed=True)
+    >>> [round(v, 4) for v in back.tolist()]
     [0.5008, -0.993, 0.2477, 0.0]
     """
     fmt = format_of(dtype)
@@ -449,7 +438,7 @@ def dequantize_blockwise(
     scale: jax.Array,
     dtype: Any,
     *,
-    signed: bool = True,
+    signed: bool | None = None,
     block_size: int | None = None,
 ) -> jax.Array:
     """The float32 values :func:`quantize_blockwise` stored: torchao's ``dequantize``.
@@ -460,14 +449,24 @@ def dequantize_blockwise(
     Args:
       codes, scale: what :func:`quantize_blockwise` returned.
       dtype: the format they were stored in.
-      signed: the map they were stored with (integer formats).
+      signed: the map they were stored with, for the integer formats: required, since
+        codes read with the other map are other numbers (nothing in the codes tells).
       block_size: the block size; needed only for ``partial_blocks`` (the scales' shape
         gives it otherwise).
 
     Raises:
-      ValueError: for another ``dtype``, or a ``scale`` that does not fit ``codes``.
+      ValueError: for another ``dtype``, a ``scale`` that does not fit ``codes``, or no
+        ``signed`` for an integer format.
     """
     fmt = format_of(dtype)
+    if signed is None:
+        if fmt.name != FLOAT8:
+            raise ValueError(
+                f"dequantize_blockwise needs signed= for {fmt.name} codes: signed=True for a "
+                "signed state (Adam's first moment), signed=False for an unsigned one (its second "
+                "moment), as quantize_blockwise stored them"
+            )
+        signed = True
     codes, scale = jnp.asarray(codes), jnp.asarray(scale)
     shape = value_shape(codes.shape, fmt)
     layout = _layout_for(shape, scale, fmt, block_size)

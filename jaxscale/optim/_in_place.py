@@ -39,6 +39,7 @@ import numpy as np
 from jax import lax
 
 from jaxscale._src.elementwise import ElementwiseProgram
+from jaxscale.core import skip_applied, skip_predicate
 from jaxscale.optim._blockwise import (
     BlockFormat,
     BlockLayout,
@@ -364,7 +365,12 @@ def _loop(
         results = program.evaluate_slice(component, wanted, arrays, values, (group, row_length))
         new_carry = []
         for (slot, _), arrays_now, result in zip(carried, carry, results, strict=True):
-            pieces = slot.write_rows(result)
+            pieces = list(slot.write_rows(result))
+            if skip is not None:  # a skipped step writes back what it read
+                pieces = [
+                    jnp.where(skip, piece(a), p.astype(a.dtype))
+                    for a, p in zip(arrays_now, pieces, strict=True)
+                ]
             new_carry.append(
                 [
                     lax.dynamic_update_slice(a, p[:, None].astype(a.dtype), (0, step, 0))
@@ -373,7 +379,13 @@ def _loop(
             )
         return new_carry
 
-    return body(0, carry) if iterations == 1 else lax.fori_loop(0, iterations, body, carry)
+    # Inside a loss scaler's skip, each slice keeps its old value when the step is
+    # skipped, and the arrays are marked so that the skip selects nothing after the loop.
+    skip = skip_predicate()
+    carry = body(0, carry) if iterations == 1 else lax.fori_loop(0, iterations, body, carry)
+    if skip is None:
+        return carry
+    return [[skip_applied(a) for a in arrays] for arrays in carry]
 
 
 def _same_layout(program: ElementwiseProgram, wide: list[Any], count: int) -> bool:

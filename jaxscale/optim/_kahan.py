@@ -18,8 +18,10 @@ import optax
 
 from jaxscale.optim._widened import float32_state
 from jaxscale.optim._wrapping import (
+    PARAMETER_WRITERS,
     is_narrower,
     map_with_optional,
+    require_no_writer_inside,
     require_params,
     validated_inner,
 )
@@ -38,6 +40,9 @@ class KahanSummationState(NamedTuple):
 
     compensation: Any
     inner_state: Any
+
+
+PARAMETER_WRITERS[KahanSummationState] = "kahan_summation"
 
 
 def kahan_summation(
@@ -95,7 +100,9 @@ def kahan_summation(
         compensation = jax.tree.map(
             lambda p: jnp.zeros_like(p) if is_narrower(p, jnp.float32) else None, params
         )
-        return KahanSummationState(compensation, widened_state.init(params))
+        inner_state = widened_state.init(params)
+        require_no_writer_inside(inner_state, "kahan_summation")
+        return KahanSummationState(compensation, inner_state)
 
     def update_fn(
         updates: optax.Updates,

@@ -10,6 +10,7 @@ after it, a slice at a time where the optimizer allows (see ``_in_place``).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -199,11 +200,12 @@ def low_precision_state(
         state = inner.init(params)
         leaves = jax.tree.leaves(state)
         fills = dict(zip(map(id, leaves), _constant_fills(inner.init, params), strict=True))
-        return LowPrecisionState(
-            _statistics_map(
-                lambda path, node: store(path, node, fills.get(id(value_of(node)))), state
-            )
+        stored = _statistics_map(
+            lambda path, node: store(path, node, fills.get(id(value_of(node)))), state
         )
+        if fmt is not BFLOAT16:
+            _warn_if_nothing_quantized(stored, fmt.name, size)
+        return LowPrecisionState(stored)
 
     def update_fn(
         updates: optax.Updates,
@@ -222,6 +224,29 @@ def low_precision_state(
         return new_updates, LowPrecisionState(new_stored)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _warn_if_nothing_quantized(stored: Any, name: str, block_size: int) -> None:
+    """A warning when leaves large enough to quantize were all left as they are because
+    ``block_size`` divides none of them (a ``block_size`` chosen for other shapes)."""
+    is_stored = lambda node: isinstance(node, BlockQuantized)  # noqa: E731
+    leaves = jax.tree.leaves(stored, is_leaf=is_stored)
+    if any(is_stored(leaf) for leaf in leaves):
+        return
+    left = [
+        leaf
+        for leaf in leaves
+        if _is_floating_array(value_of(leaf)) and np.size(value_of(leaf)) >= SMALLEST_QUANTIZED
+    ]
+    if left:
+        warnings.warn(
+            f"low_precision_state({name!r}, block_size={block_size}) quantizes none of the "
+            f"{len(left)} state leaves of at least {SMALLEST_QUANTIZED} elements: none has a size "
+            "that is a multiple of the block; pass a block_size that divides them, or "
+            "partial_blocks=True",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _state_format(dtype: Any) -> Any:

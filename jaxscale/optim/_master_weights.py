@@ -12,12 +12,15 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxscale.optim._wrapping import (
+    PARAMETER_WRITERS,
     floating_dtype,
     is_narrower,
     map_with_optional,
+    require_no_writer_inside,
     require_params,
     validated_inner,
 )
@@ -37,8 +40,11 @@ class MasterWeightsState(NamedTuple):
     inner_state: Any
 
 
+PARAMETER_WRITERS[MasterWeightsState] = "master_weights"
+
+
 def master_weights(
-    inner: optax.GradientTransformation, *, dtype: Any = jnp.float32
+    inner: optax.GradientTransformation, dtype: Any = jnp.float32
 ) -> optax.GradientTransformationExtraArgs:
     """Keep ``dtype`` master copies of the parameters narrower than ``dtype``, and run
     ``inner`` on them.
@@ -56,11 +62,14 @@ def master_weights(
 
     Under :func:`jaxscale.grad_scaler` a skipped step leaves the masters unchanged.
     :func:`jaxscale.master_params` reads the masters back, for evaluation or a
-    checkpoint at full precision.
+    checkpoint at full precision. Wrap the writers around the rest: inside
+    :func:`stochastic_rounding` or :func:`kahan_summation`, which give ``inner``
+    float32 copies of the parameters, masters would never be kept, and that is an
+    error.
 
     Args:
       inner: the optimizer to run on the masters, e.g. ``optax.adamw(1e-3)``.
-      dtype: the masters' dtype.
+      dtype: the masters' dtype, or its name (``"float32"``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -69,7 +78,10 @@ def master_weights(
     Raises:
       TypeError: for an ``inner`` that is not an Optax transform (a factory such as
         ``optax.adamw`` passed uncalled is named).
-      ValueError: from ``update`` called without ``params``.
+      ValueError: from ``init``, for a parameter of ``dtype``'s width in another
+        format (bfloat16 parameters with float16 masters: none would be kept); from
+        ``update``, called without ``params``, or with a parameter narrower than
+        ``dtype`` that ``init`` saw wider (and so kept no master of).
 
     >>> import jax.numpy as jnp, optax, jaxscale
     >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
@@ -90,8 +102,11 @@ def master_weights(
         return is_narrower(leaf, master_dtype)
 
     def init_fn(params: optax.Params) -> MasterWeightsState:
+        _require_wider(params, master_dtype)
         masters = jax.tree.map(lambda p: p.astype(master_dtype) if kept(p) else None, params)
-        return MasterWeightsState(masters, inner.init(_with_masters(masters, params)))
+        inner_state = inner.init(_with_masters(masters, params))
+        require_no_writer_inside(inner_state, "master_weights")
+        return MasterWeightsState(masters, inner_state)
 
     def update_fn(
         updates: optax.Updates,
@@ -100,6 +115,7 @@ def master_weights(
         **extra_args: Any,
     ) -> tuple[optax.Updates, MasterWeightsState]:
         require_params(params, "master_weights")
+        _require_masters_of_narrow_parameters(state.masters, params, master_dtype)
         grads = map_with_optional(
             lambda m, g: g if m is None else g.astype(master_dtype), state.masters, updates
         )
@@ -122,6 +138,38 @@ def master_weights(
         return new_updates, MasterWeightsState(masters, inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _require_wider(params: Any, dtype: np.dtype) -> None:
+    """A ValueError for a floating parameter as wide as ``dtype`` in another format."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        leaf_dtype = getattr(leaf, "dtype", None)
+        if (
+            leaf_dtype is not None
+            and jnp.issubdtype(leaf_dtype, jnp.floating)
+            and np.dtype(leaf_dtype) != dtype
+            and np.dtype(leaf_dtype).itemsize == dtype.itemsize
+        ):
+            raise ValueError(
+                f"master_weights keeps masters wider than the parameters, but parameter "
+                f"{jax.tree_util.keystr(path)} is {np.dtype(leaf_dtype).name}, as wide as the "
+                f"masters' {dtype.name}: it would keep none; use dtype=jnp.float32"
+            )
+
+
+def _require_masters_of_narrow_parameters(masters: Any, params: Any, dtype: np.dtype) -> None:
+    """A ValueError for a parameter narrower than ``dtype`` that has no master."""
+    for (path, master), param in zip(
+        jax.tree_util.tree_leaves_with_path(masters, is_leaf=lambda n: n is None),
+        jax.tree.leaves(params, is_leaf=lambda n: n is None),
+        strict=False,
+    ):
+        if master is None and is_narrower(param, dtype):
+            raise ValueError(
+                f"parameter {jax.tree_util.keystr(path)} is {param.dtype}, narrower than "
+                f"{dtype.name}, but master_weights' init saw it wider and kept no master of it: "
+                "call init on the parameters in the dtypes you train them in"
+            )
 
 
 def _with_masters(masters: Any, params: Any) -> Any:

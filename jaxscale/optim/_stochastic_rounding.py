@@ -12,7 +12,12 @@ import optax
 
 from jaxscale.optim._stochastic_round import TARGETS, stochastic_round
 from jaxscale.optim._widened import float32_state
-from jaxscale.optim._wrapping import require_params, validated_inner
+from jaxscale.optim._wrapping import (
+    PARAMETER_WRITERS,
+    require_no_writer_inside,
+    require_params,
+    validated_inner,
+)
 
 
 class StochasticRoundingState(NamedTuple):
@@ -26,6 +31,9 @@ class StochasticRoundingState(NamedTuple):
 
     key: jax.Array
     inner_state: Any
+
+
+PARAMETER_WRITERS[StochasticRoundingState] = "stochastic_rounding"
 
 
 def stochastic_rounding(
@@ -89,7 +97,9 @@ def stochastic_rounding(
     widened_state = float32_state(inner, "stochastic_rounding", state_dtype)
 
     def init_fn(params: optax.Params) -> StochasticRoundingState:
-        return StochasticRoundingState(key, widened_state.init(params))
+        inner_state = widened_state.init(params)
+        require_no_writer_inside(inner_state, "stochastic_rounding")
+        return StochasticRoundingState(key, inner_state)
 
     def update_fn(
         updates: optax.Updates,

@@ -66,3 +66,25 @@ def floating_dtype(dtype: Any, name: str) -> np.dtype:
             f"got {result}"
         )
     return result
+
+
+# The states of the transforms that write half-precision parameters their own way, by
+# the transform's name: one such writer inside another sees the outer one's float32
+# copies of the parameters, so it has nothing to write (and masters are never kept).
+PARAMETER_WRITERS: dict[type, str] = {}
+
+
+def require_no_writer_inside(state: Any, transform: str) -> None:
+    """A ValueError when ``state`` (a wrapped optimizer's) holds a parameter writer's state."""
+    found = [
+        PARAMETER_WRITERS[type(node)]
+        for node in jax.tree.leaves(state, is_leaf=lambda node: type(node) in PARAMETER_WRITERS)
+        if type(node) in PARAMETER_WRITERS
+    ]
+    if found:
+        raise ValueError(
+            f"{transform}({found[0]}(...)): {found[0]} inside {transform} sees the float32 "
+            f"copies {transform} gives it and never writes a half-precision parameter; use "
+            f"one of them, around the optimizer (e.g. {transform}(optax.adamw(...)) or "
+            f"{found[0]}(optax.adamw(...)))"
+        )

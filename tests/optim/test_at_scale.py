@@ -272,7 +272,7 @@ def test_partial_blocks_quantize_every_leaf_and_keep_torchaos_leaves():
     np.testing.assert_array_equal(partial.nu["aligned"].scale, torchao_rule.nu["aligned"].scale)
     assert partial.mu["small"].dtype == F32
     # and the partial blocks hold their values
-    wide = jaxscale.dequantize_blockwise(*partial.mu["dense"], "int8", block_size=256)
+    wide = jaxscale.dequantize_blockwise(*partial.mu["dense"], "int8", signed=True, block_size=256)
     expected = (1 - 0.9) * grads["dense"]
     np.testing.assert_allclose(wide, expected, rtol=0.02, atol=1e-6)
 

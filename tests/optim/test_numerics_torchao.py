@@ -23,6 +23,7 @@ from jaxscale.optim import _blockwise, _dynamic_maps
 with warnings.catch_warnings():  # torchao's import warns about its optional GPU kernels
     warnings.simplefilter("ignore")
     from torchao.optim import quant_utils
+    from torchao.optim.subclass_4bit import OptimState4bit, get_qmap_signed, get_qmap_unsigned
     from torchao.optim.subclass_fp8 import quantize_fp8
 
 SIZE = 1 << 17  # 131,072 values
@@ -137,6 +138,58 @@ def test_int8_blocks_are_torchaos_dynamic_map_quantization(signed):
     expected = quant_utils.dequant_with_qmap(codes, table, scale).numpy()
     ours = jaxscale.dequantize_blockwise(ours_codes, ours_scale, "int8", signed=signed)
     np.testing.assert_array_equal(np.asarray(ours).view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_int4_blocks_are_torchaos_optim_state_4bit(signed):
+    # OptimState4bit's copy_: scale_tensor in blocks of 128, quantize_4bit_with_qmap,
+    # and two codes per byte, the first in the high nibble
+    x = blocks_with_edges(np.random.default_rng(4 + signed), 128)
+    if not signed:
+        x = np.abs(x)
+    table = torch.tensor(get_qmap_signed() if signed else get_qmap_unsigned())
+    normalized, scale = quant_utils.scale_tensor(torch.from_numpy(x), 128)
+    codes = quant_utils.quantize_4bit_with_qmap(normalized, table)
+    packed = (codes[::2] << 4) | codes[1::2]
+    ours_codes, ours_scale = jax.jit(
+        lambda x: jaxscale.quantize_blockwise(x.reshape(-1, 256), "int4", signed=signed)
+    )(x)
+    assert ours_codes.dtype == jnp.uint8
+    assert ours_codes.shape == (x.size // 256, 128)
+    np.testing.assert_array_equal(np.asarray(ours_codes).reshape(-1), packed.numpy())
+    np.testing.assert_array_equal(
+        np.asarray(ours_scale).reshape(-1).view(np.uint32), scale.numpy().view(np.uint32)
+    )
+    state = OptimState4bit(packed, scale, table, signed, torch.Size([x.size]))
+    expected = state.dequantize().numpy()
+    ours = jaxscale.dequantize_blockwise(ours_codes, ours_scale, "int4", signed=signed)
+    np.testing.assert_array_equal(
+        np.asarray(ours).reshape(-1).view(np.uint32), expected.view(np.uint32)
+    )
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_4_bit_maps_are_torchaos_bit_for_bit(signed):
+    expected = torch.tensor(get_qmap_signed() if signed else get_qmap_unsigned())
+    table = _dynamic_maps.SIGNED_4BIT if signed else _dynamic_maps.UNSIGNED_4BIT
+    np.testing.assert_array_equal(table.view(np.uint32), expected.numpy().view(np.uint32))
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_nearest_4_bit_entry_is_torchaos_at_every_entry_midpoint_and_edge(signed):
+    table = (_dynamic_maps.SIGNED_4BIT if signed else _dynamic_maps.UNSIGNED_4BIT).astype(
+        np.float32
+    )
+    midpoints = (table[:-1] + (table[1:] - table[:-1]) * np.float32(0.5)).astype(np.float32)
+    points = np.concatenate([table, midpoints])
+    edges = np.array([-0.0, 0.0, np.inf, -np.inf, np.nan, 1.5, -1.5, 2.0**-140], np.float32)
+    x = np.concatenate([
+        points, np.nextafter(points, np.float32(np.inf)), np.nextafter(points, np.float32(-np.inf)),
+        edges,
+    ]).astype(np.float32)  # fmt: skip
+    expected = quant_utils.quantize_4bit_with_qmap(torch.from_numpy(x), torch.from_numpy(table))
+    ours = jax.jit(lambda v: _blockwise._nearest_in_map(v, table, signed))(x)
+    np.testing.assert_array_equal(np.asarray(ours), expected.numpy())
 
 
 @pytest.mark.parametrize("signed", [True, False])

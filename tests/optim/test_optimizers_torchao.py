@@ -1,6 +1,6 @@
 """Trajectories against torchao's optimizers on the CPU: ``low_precision_state(optax.adamw)``
-against ``AdamW8bit`` and ``AdamWFp8``, ``stochastic_rounding(optax.adamw)`` against
-``_AdamW(bf16_stochastic_round=True)``.
+against ``AdamW8bit``, ``AdamW4bit`` and ``AdamWFp8``, ``stochastic_rounding(optax.adamw)``
+against ``_AdamW(bf16_stochastic_round=True)`` (both keeping bfloat16 moments).
 
 optax and torchao arrange AdamW's float32 arithmetic differently (where weight decay
 and epsilon enter, ``sqrt(v / c)`` against ``sqrt(v) / sqrt(c)``): in float32 the two
@@ -33,7 +33,7 @@ import jaxscale
 
 with warnings.catch_warnings():  # torchao's import warns about its optional GPU kernels
     warnings.simplefilter("ignore")
-    from torchao.optim import AdamW8bit, AdamWFp8, _AdamW
+    from torchao.optim import AdamW4bit, AdamW8bit, AdamWFp8, _AdamW
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 1e-2
 STEPS = 30
@@ -103,7 +103,7 @@ def test_optax_adamw_and_torchs_agree_in_float32(problem, float32_reference):
 
 @pytest.mark.parametrize(
     ("optimizer", "dtype", "tolerance"),
-    [(AdamW8bit, "int8", 5e-3), (AdamWFp8, jnp.float8_e4m3fn, 1e-4)],
+    [(AdamW8bit, "int8", 5e-3), (AdamWFp8, jnp.float8_e4m3fn, 1e-4), (AdamW4bit, "int4", 5e-3)],
 )
 def test_low_precision_state_follows_torchaos_low_bit_adamw(
     problem, float32_reference, eager_torchao, optimizer, dtype, tolerance

@@ -146,7 +146,13 @@ def test_bad_arguments_are_named(kwargs, message):
         (lambda: jaxscale.quantize_blockwise(jnp.ones(8), "int4", block_size=3), "must be even"),
         (lambda: jaxscale.quantize_blockwise(jnp.ones((4, 3)), "int4", block_size=4), "is odd"),
         (
-            lambda: jaxscale.dequantize_blockwise(jnp.zeros(8, jnp.uint8), jnp.ones(3), "int8"),
+            lambda: jaxscale.dequantize_blockwise(jnp.zeros(8, jnp.uint8), jnp.ones(1), "int8"),
+            r"needs signed= for int8 codes: signed=True for a signed state",
+        ),
+        (
+            lambda: jaxscale.dequantize_blockwise(
+                jnp.zeros(8, jnp.uint8), jnp.ones(3), "int8", signed=True
+            ),
             "one value per block",
         ),
     ],

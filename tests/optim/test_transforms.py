@@ -346,7 +346,7 @@ def test_the_inner_optimizer_runs_on_the_widened_state(dtype):
         if dtype == BF16:
             mu, nu = stored.mu["w"].astype(F32), stored.nu["w"].astype(F32)
         else:
-            mu = jaxscale.dequantize_blockwise(*stored.mu["w"], dtype)
+            mu = jaxscale.dequantize_blockwise(*stored.mu["w"], dtype, signed=True)
             nu = jaxscale.dequantize_blockwise(*stored.nu["w"], dtype, signed=False)
         wide = (stored._replace(mu={"w": mu}, nu={"w": nu}), *state.inner_state[1:])
         expected_updates, expected_state = jax.jit(inner.update)(grads, wide, params)
@@ -551,3 +551,136 @@ def test_states_round_trip_through_an_orbax_checkpoint(tmp_path):
     for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(restored), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(bits(a), bits(b))
+
+
+# -- one rule for dtypes, and no silent no-ops --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given", "stored"),
+    [
+        ("bfloat16", BF16),
+        (BF16, BF16),
+        ("float8_e4m3fn", jnp.float8_e4m3fn),
+        (jnp.float8_e4m3fn, jnp.float8_e4m3fn),
+        ("int8", jnp.uint8),
+        (jnp.int8, jnp.uint8),
+        ("int4", jnp.uint8),
+        (jnp.int4, jnp.uint8),
+    ],
+)
+def test_a_state_dtype_is_taken_as_a_dtype_or_its_name(given, stored):
+    params = {"w": jnp.zeros((64, 64))}
+    mu = jaxscale.low_precision_state(adamw(), given).init(params).inner_state[0].mu["w"]
+    assert (mu.codes if isinstance(mu, jaxscale.BlockQuantized) else mu).dtype == stored
+
+
+def test_every_dtype_argument_takes_names_and_positions_alike():
+    params = {"w": jnp.ones(4, BF16)}
+    by_name = jaxscale.master_weights(adamw(), "float32").init(params)
+    assert by_name.masters["w"].dtype == F32
+    x = jnp.full(4, 1.0 + 2.0**-12, F32)
+    np.testing.assert_array_equal(
+        jaxscale.stochastic_round(x, "float16", bits=np.zeros(4, np.int32)),
+        jaxscale.stochastic_round(x, jnp.float16, bits=np.zeros(4, np.int32)),
+    )
+
+
+def test_masters_as_wide_as_the_parameters_are_refused():
+    with pytest.raises(ValueError, match=r"parameter \['w'\] is bfloat16, as wide as the masters"):
+        jaxscale.master_weights(adamw(), jnp.float16).init({"w": jnp.ones(4, BF16)})
+
+
+def test_masters_of_parameters_init_saw_wider_are_refused():
+    tx = jaxscale.master_weights(adamw())
+    state = tx.init({"w": jnp.ones(4)})
+    params = {"w": jnp.ones(4, BF16)}
+    with pytest.raises(ValueError, match=r"init saw it wider and kept no master of it"):
+        tx.update(params, state, params)
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner"),
+    [
+        ("stochastic_rounding", "master_weights"),
+        ("kahan_summation", "stochastic_rounding"),
+        ("master_weights", "kahan_summation"),
+        ("stochastic_rounding", "kahan_summation"),
+    ],
+)
+def test_a_parameter_writer_inside_another_is_refused(outer, inner):
+    make = {
+        "master_weights": jaxscale.master_weights,
+        "kahan_summation": jaxscale.kahan_summation,
+        "stochastic_rounding": functools.partial(
+            jaxscale.stochastic_rounding, key=jax.random.key(0)
+        ),
+    }
+    tx = make[outer](make[inner](adamw()))
+    with pytest.raises(ValueError, match=rf"{outer}\({inner}\(\.\.\.\)\): {inner} inside {outer}"):
+        tx.init(make_params(BF16))
+
+
+def test_a_block_size_that_divides_no_leaf_is_named():
+    params = {"w": jnp.zeros((64, 64))}
+    with pytest.warns(UserWarning, match=r"block_size=1000\) quantizes none of the 2 state leaves"):
+        jaxscale.low_precision_state(adamw(), "int8", block_size=1000).init(params)
+
+
+# -- where the writers go among other transforms ------------------------------------------------
+
+
+def scan_with_a_bad_step(tx, params, bad=1, steps=3):
+    """``steps`` updates, the ``bad``-th with an infinite gradient: the parameters and
+    state after each."""
+    state = tx.init(params)
+    history = []
+    for index in range(steps):
+        grads = grads_for(params, index)
+        if index == bad:
+            grads = jax.tree.map(lambda g: g.at[0].set(jnp.inf), grads)
+        updates, state = jax.jit(tx.update)(grads, state, params)
+        params = apply(params, updates)
+        history.append((params, state))
+    return history
+
+
+def test_apply_if_finite_goes_inside_the_writer():
+    # optax.apply_if_finite(master_weights(...)) cannot compile: its skip returns zeros of
+    # the gradients' dtype (bfloat16) and the writer float32 updates, which a bfloat16
+    # parameter needs to land exactly. Inside, it skips the optimizer and the masters
+    # keep still: a zero update lands the parameters on themselves.
+    tx = jaxscale.master_weights(third_party.optimizer(optax.apply_if_finite(optax.adamw(1e-2), 3)))
+    params = make_params(BF16)
+    history = scan_with_a_bad_step(tx, params)
+    (first, first_state), (second, second_state) = history[0], history[1]
+    np.testing.assert_array_equal(second["w"], first["w"])
+    np.testing.assert_array_equal(second_state.masters["w"], first_state.masters["w"])
+    assert not np.array_equal(history[2][0]["w"], second["w"])
+
+
+@pytest.mark.parametrize("order", ["scaler outside", "scaler inside"])
+def test_grad_scaler_and_master_weights_nest_either_way(order):
+    if order == "scaler outside":
+        tx = jaxscale.grad_scaler(jaxscale.master_weights(adamw(1e-2)), init_scale=1.0)
+    else:
+        tx = jaxscale.master_weights(jaxscale.grad_scaler(adamw(1e-2), init_scale=1.0))
+    params = make_params(BF16)
+    history = scan_with_a_bad_step(tx, params)
+    np.testing.assert_array_equal(history[1][0]["w"], history[0][0]["w"])
+    expected = scan_with_a_bad_step(jaxscale.master_weights(adamw(1e-2)), params, bad=-1, steps=2)
+    # the applied steps are the same steps: the first, and then the third as the second
+    np.testing.assert_array_equal(history[0][0]["w"], expected[0][0]["w"])
+
+
+def test_a_writer_in_a_chain_comes_last():
+    # the writer's updates land the parameters exactly; a transform after it would move
+    # them off that value, so clipping and the like go before it, or inside it
+    clip = third_party.optimizer(optax.clip_by_global_norm(0.1))
+    before = optax.chain(clip, jaxscale.master_weights(adamw(1e-2)))
+    inside = jaxscale.master_weights(optax.chain(clip, adamw(1e-2)))
+    params = make_params(BF16)
+    for tx in (before, inside):
+        for params_after, state, _ in run(tx, params, 3):
+            masters = jaxscale.master_params(state, params_after)
+            np.testing.assert_array_equal(masters["w"].astype(BF16), params_after["w"])
