@@ -133,19 +133,30 @@ PRECISIONS = (
     "float8-rowwise_with_gw_hp",
     "float8-mxfp8",
     "float8-mxfp8_wgrad_with_hp",
+    "float8-nvfp4",
 )
 
 
-def autocast_options(precision: str) -> dict[str, Any] | None:
+def autocast_options(
+    precision: str, float8_filter: Callable[..., bool] | None = None, key: Any = None
+) -> dict[str, Any] | None:
     """``jaxscale.autocast``'s arguments for a precision (None: plain float32).
 
     The float8 settings are torchao's recipes: the linear layers' matmuls in float8,
-    everything else in bfloat16, as torchao's float8 training runs.
+    everything else in bfloat16, as torchao's float8 training runs; ``"float8-nvfp4"``
+    is NVIDIA's NVFP4 recipe, whose stochastic rounding draws from ``key``.
+    ``float8_filter`` chooses the matmuls that run in the recipe.
     """
     if precision == "float32":
         return None
     if precision.startswith("float8-"):
-        return {"dtype": jnp.bfloat16, "float8": precision.removeprefix("float8-")}
+        options: dict[str, Any] = {
+            "dtype": jnp.bfloat16, "float8": precision.removeprefix("float8-"),
+            "float8_filter": float8_filter,
+        }  # fmt: skip
+        if precision == "float8-nvfp4":
+            options["key"] = jax.random.key(0) if key is None else key
+        return options
     return {"dtype": jnp.dtype(precision)}
 
 
@@ -166,10 +177,15 @@ class Config:
     seed: int = 0
     locate: bool = False  # say where each skipped step's inf or NaN was born
     grad_dtype: str | None = None  # "float32": weight gradients out of their matmuls in float32
+    # which matmuls run in the float8 recipe (None: every one it can take)
+    float8_filter: Callable[..., bool] | None = None
+    float8_filter_label: str = ""
 
     @property
     def label(self) -> str:
         gradients = f", {self.grad_dtype} gradients" if self.grad_dtype else ""
+        if self.float8_filter_label:
+            gradients += f", {self.float8_filter_label}"
         if self.precision != "float16":
             return self.precision + gradients
         return ("float16 + jaxscale" if self.scaler else "float16, no loss scaling") + gradients
@@ -177,7 +193,11 @@ class Config:
     @property
     def forward(self) -> Callable[..., jax.Array]:
         """The loss as the training step computes it: under autocast unless float32."""
-        options = autocast_options(self.precision)
+        return self.forward_with_key(None)
+
+    def forward_with_key(self, key: Any) -> Callable[..., jax.Array]:
+        """:attr:`forward`, its stochastic rounding (NVFP4's) drawn from ``key``."""
+        options = autocast_options(self.precision, self.float8_filter, key)
         if options is None:
             return loss_fn
         if self.grad_dtype is not None:
@@ -218,11 +238,18 @@ def split_step(config: Config, vocab: int = 96) -> tuple[Any, Any, Callable[...,
 
 def train_step_body(config: Config) -> Callable[..., tuple[Any, ...]]:
     """One PyTorch-style AMP iteration on the model, optimizer and scaler (not yet jitted)."""
-    forward, devices = config.forward, config.devices
+    devices = config.devices
+    keyed = config.precision == "float8-nvfp4"
 
     locate = config.locate and config.scaler and config.precision == "float16"
 
     def train_step(model, optimizer, scaler, x, y):
+        # a key of its own for each step's stochastic rounding
+        key = (
+            jax.random.fold_in(jax.random.key(config.seed), optimizer.step[...]) if keyed else None
+        )
+        forward = config.forward_with_key(key)
+
         def scaled_loss(model, x, y):
             loss = forward(model, x, y)  # PyTorch: with torch.autocast("cuda"): loss = ...
             return scaler.scale(loss / devices), loss  # this device's share of the global mean
@@ -249,11 +276,12 @@ def make_train_step(config: Config) -> Callable[..., tuple[Any, ...]]:
     return nnx.jit(train_step_body(config), donate_argnums=(0, 1, 2))
 
 
-@nnx.jit(static_argnums=3)
+@nnx.jit(static_argnums=(3, 4))
 def evaluate_batch(
-    model: CharTransformer, x: jax.Array, y: jax.Array, precision: str
-) -> tuple[jax.Array, jax.Array]:
-    options = autocast_options(precision)
+    model: CharTransformer, x: jax.Array, y: jax.Array, precision: str,
+    float8_filter: Callable[..., bool] | None = None,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    options = autocast_options(precision, float8_filter)
     apply = model if options is None else jaxscale.autocast(model, **options)
     logits = apply(x).astype(jnp.float32)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
@@ -265,7 +293,10 @@ def evaluate(
 ) -> tuple[float, float]:
     """Validation loss and next-character accuracy on held-out text."""
     stream = dataset.batches("val", 64, config.seq_len, seed=1234)
-    results = [evaluate_batch(model, *next(stream), config.precision) for _ in range(batches)]
+    results = [
+        evaluate_batch(model, *next(stream), config.precision, config.float8_filter)
+        for _ in range(batches)
+    ]
     return float(np.mean([r[0] for r in results])), float(np.mean([r[1] for r in results]))
 
 

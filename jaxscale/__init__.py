@@ -13,6 +13,7 @@ from jaxscale.casting import autocast as autocast
 from jaxscale.casting import custom_fwd as custom_fwd
 from jaxscale.casting import dequantize_mx as dequantize_mx
 from jaxscale.casting import dequantize_nvfp4 as dequantize_nvfp4
+from jaxscale.casting import float8_report as float8_report
 from jaxscale.casting import get_autocast_dtype as get_autocast_dtype
 from jaxscale.casting import is_autocast_enabled as is_autocast_enabled
 from jaxscale.casting import nvfp4_per_tensor_scale as nvfp4_per_tensor_scale
@@ -81,6 +82,7 @@ __all__ = [
     "dequantize_blockwise",
     "dequantize_mx",
     "dequantize_nvfp4",
+    "float8_report",
     "format_precision_stats",
     "found_inf",
     "get_autocast_dtype",

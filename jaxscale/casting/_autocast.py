@@ -17,6 +17,7 @@ from jaxscale.casting import _higher_order  # noqa: F401  (registers the higher-
 from jaxscale.casting._float8_matmul import recipe_for
 from jaxscale.casting._hidden_state import refuse_inside_hidden_state
 from jaxscale.casting._interpreter import MARKER, Autocaster, Tag, cast_floating
+from jaxscale.casting._nvfp4_matmul import NVFP4Recipe
 from jaxscale.casting._policy import validated_device_type
 from jaxscale.casting._region import DEFAULT_DTYPES, autocast_state
 from jaxscale.casting._state_writes import state_writes_marked
@@ -34,6 +35,8 @@ def autocast(
     enabled: bool = ...,
     float8: Any = ...,
     grad_dtype: Any = ...,
+    float8_filter: Any = ...,
+    key: Any = ...,
 ) -> F: ...
 @overload
 def autocast(
@@ -44,6 +47,8 @@ def autocast(
     enabled: bool = ...,
     float8: Any = ...,
     grad_dtype: Any = ...,
+    float8_filter: Any = ...,
+    key: Any = ...,
 ) -> Callable[[F], F]: ...
 
 
@@ -55,6 +60,8 @@ def autocast(
     enabled: bool = True,
     float8: Any = None,
     grad_dtype: Any = None,
+    float8_filter: Any = None,
+    key: Any = None,
 ) -> Any:
     """Run ``fn`` with PyTorch's autocast policy: ``with torch.autocast("cuda"):``, or
     ``with torch.autocast("cpu"):`` with ``device_type="cpu"``.
@@ -113,6 +120,11 @@ def autocast(
         of the three matmuls in MXFP8, blocked by 32 along that matmul's contracting
         dimension (:func:`jaxscale.quantize_mx`, RCEIL scales), dequantized to ``dtype``
         and multiplied there, for matmuls whose three sizes are multiples of 32.
+        ``"nvfp4"`` (or a :class:`jaxscale.casting.NVFP4Recipe`) is NVIDIA's NVFP4
+        training recipe, emulated the same way: TransformerEngine's scale chain, the
+        weight in 16x16 tiles, the output gradient rounded stochastically, the weight
+        gradient's operands through the random Hadamard transform, for matmuls whose
+        three sizes are multiples of 16.
       grad_dtype: ``None`` (the default), or ``jnp.float32``: the gradient of a
         float32 value that autocast narrows for a matmul (a parameter, an input)
         comes out of the backward matmul in float32, computed from the same
@@ -121,6 +133,15 @@ def autocast(
         data-parallel all-reduces then sum float32). It applies to ``dot_general``
         outside the float8 recipes' linear layers, and makes those matmuls
         reverse-mode only (a ``custom_vjp``): ``jax.jvp`` of them is an error.
+      float8_filter: ``None`` (every eligible matmul), or a function of a
+        :class:`jaxscale.casting.MatmulSite` that says whether that matmul runs in the
+        ``float8`` recipe (its forward and both backward matmuls together); a refused
+        matmul runs as ``dtype`` says. :func:`jaxscale.casting.exclude_names` and
+        :func:`jaxscale.casting.keep_layers` build the common ones.
+      key: a PRNG key for the recipes that round stochastically (``"nvfp4"``'s output
+        gradients; a :class:`jaxscale.casting.Float8Recipe` or ``MXRecipe`` with
+        ``stochastic_gradients=True``): give each step its own, e.g.
+        ``jax.random.fold_in(key, step)``. Each matmul folds in its own index.
 
     Returns:
       The transformed function, or a decorator when ``fn`` is omitted.
@@ -151,8 +172,10 @@ def autocast(
     validation.as_bool("enabled", enabled)
     recipe = recipe_for(float8)
     gradients = _validated_grad_dtype(grad_dtype)
+    site_filter = _validated_filter(float8_filter, recipe)
+    _check_key(key, recipe)
     if fn is None:
-        return _Decorator(device_type, dtype, enabled, recipe, gradients)
+        return _Decorator(device_type, dtype, enabled, recipe, gradients, site_filter, key)
     if isinstance(fn, str):
         if fn in ("cuda", "cpu", "xpu", "mps", "hpu", "xla"):
             raise TypeError(
@@ -183,7 +206,10 @@ def autocast(
             if not enabled:
                 return fn(*args, **kwargs)
             refuse_inside_hidden_state(getattr(fn, "__name__", type(fn).__name__))
-            autocaster = Autocaster(dtype, recipe, device_type, grad_dtype=gradients)
+            autocaster = Autocaster(
+                dtype, recipe, device_type, grad_dtype=gradients, float8_filter=site_filter,
+                key=key,
+            )  # fmt: skip
             return _run(autocaster, fn, args, kwargs)
 
     return autocast_fn
@@ -196,11 +222,12 @@ class _Decorator:
     goes, and nothing JAX offers a library can rewrite it afterwards."""
 
     def __init__(
-        self, device_type: str, dtype: np.dtype, enabled: bool, recipe: Any, grad_dtype: Any
-    ):
+        self, device_type: str, dtype: np.dtype, enabled: bool, recipe: Any, grad_dtype: Any,
+        float8_filter: Any, key: Any,
+    ):  # fmt: skip
         self._options = {
             "device_type": device_type, "dtype": dtype, "enabled": enabled, "float8": recipe,
-            "grad_dtype": grad_dtype,
+            "grad_dtype": grad_dtype, "float8_filter": float8_filter, "key": key,
         }  # fmt: skip
 
     def __call__(self, fn: Callable[..., Any]) -> Any:
@@ -226,6 +253,7 @@ def _run(
 ) -> Any:
     with state_writes_marked():
         call = TracedCall(fn, args, kwargs)
+    autocaster.name_inputs(call.inputs, call.input_paths)
     outs = autocaster.run(call.closed, call.inputs, [Tag.GIVEN] * len(call.inputs))
     count = len(outs) - len(call.state_dtypes)
     # state written by the call goes back in the dtypes it was traced with, as PyTorch
@@ -249,6 +277,50 @@ def _is_a_dtype(value: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+def _validated_filter(float8_filter: Any, recipe: Any) -> Any:
+    if float8_filter is None:
+        return None
+    if not callable(float8_filter):
+        raise TypeError(
+            "float8_filter must be a function of a jaxscale.casting.MatmulSite returning a "
+            f"bool, got {type(float8_filter).__name__} {float8_filter!r}"
+        )
+    if recipe is None:
+        raise ValueError(
+            "float8_filter chooses which matmuls run in the float8 recipe, and no recipe is "
+            "given: pass float8='rowwise' (or another recipe) too"
+        )
+    return float8_filter
+
+
+def _check_key(key: Any, recipe: Any) -> None:
+    if key is None:
+        if isinstance(recipe, NVFP4Recipe) and recipe.stochastic_rounding:
+            raise ValueError(
+                "the nvfp4 recipe rounds output gradients stochastically and needs a key: "
+                "pass jaxscale.autocast(..., float8='nvfp4', key=jax.random.key(step)), or "
+                "float8=jaxscale.casting.NVFP4Recipe(stochastic_rounding=False)"
+            )
+        return
+    if not _rounds_stochastically(recipe):
+        raise ValueError(
+            f"key is drawn from only by a float8 recipe that rounds stochastically "
+            f"(float8='nvfp4'), got float8={getattr(recipe, 'name', recipe)!r}: drop key, "
+            "or choose such a recipe"
+        )
+    dtype = getattr(key, "dtype", None)
+    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    raw = dtype == np.uint32 and getattr(key, "shape", None) == (2,)
+    if not (typed or raw):
+        raise TypeError(
+            f"key must be a JAX PRNG key, e.g. key=jax.random.key(0), got {type(key).__name__}"
+        )
+
+
+def _rounds_stochastically(recipe: Any) -> bool:
+    return isinstance(recipe, NVFP4Recipe) and recipe.stochastic_rounding
 
 
 def _validated_grad_dtype(grad_dtype: Any) -> np.dtype | None:

@@ -36,6 +36,12 @@ from jaxscale._src.jaxprs import dot_dimension_numbers
 from jaxscale._src.scopes import FLOAT8_MATMUL
 from jaxscale.casting._float8 import quantize_float8
 from jaxscale.casting._mx import dequantize_mx, quantize_mx
+from jaxscale.casting._nvfp4_matmul import (
+    NVFP4_RECIPES,
+    NVFP4Recipe,
+    nvfp4_forward_operands,
+    nvfp4_linear,
+)
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 
@@ -145,20 +151,19 @@ MX_RECIPES: dict[str, MXRecipe] = {
     "mxfp8_wgrad_with_hp": MXRecipe("mxfp8_wgrad_with_hp", wgrad_with_hp=True),
 }
 
-Recipe = Float8Recipe | MXRecipe
+Recipe = Float8Recipe | MXRecipe | NVFP4Recipe
+_NAMED: dict[str, Recipe] = {**RECIPES, **MX_RECIPES, **NVFP4_RECIPES}
 
 
 def recipe_for(float8: Any) -> Recipe | None:
     """The recipe ``autocast(..., float8=...)`` names: ``None``, a name, or a recipe."""
-    if float8 is None or isinstance(float8, Float8Recipe | MXRecipe):
+    if float8 is None or isinstance(float8, Float8Recipe | MXRecipe | NVFP4Recipe):
         return float8
-    if isinstance(float8, str) and float8 in RECIPES:
-        return RECIPES[float8]
-    if isinstance(float8, str) and float8 in MX_RECIPES:
-        return MX_RECIPES[float8]
+    if isinstance(float8, str) and float8 in _NAMED:
+        return _NAMED[float8]
     raise ValueError(
-        f"float8 must be None, one of {sorted(RECIPES) + sorted(MX_RECIPES)}, a "
-        f"jaxscale.casting.Float8Recipe or a jaxscale.casting.MXRecipe, got {float8!r}"
+        f"float8 must be None, one of {sorted(_NAMED)}, a jaxscale.casting.Float8Recipe, "
+        f"MXRecipe or NVFP4Recipe, got {float8!r}"
     )
 
 
@@ -187,7 +192,7 @@ def eligible(eqn: Any, recipe: Recipe | None = None) -> bool:
     if not all(jnp.issubdtype(a.dtype, jnp.floating) for a in (lhs, rhs)):
         return False
     layout = as_rows_and_columns(dot_dimension_numbers(eqn), lhs.shape, rhs.shape)
-    alignment = recipe.block_size if isinstance(recipe, MXRecipe) else 16
+    alignment = recipe.block_size if isinstance(recipe, MXRecipe | NVFP4Recipe) else 16
     return layout is not None and all(size % alignment == 0 for size in layout[2:])
 
 
@@ -251,6 +256,15 @@ def float8_linear(x: jax.Array, w_t: jax.Array, recipe: Float8Recipe, out_dtype:
     return matmul(x, w_t)
 
 
+def _mx_seen(value: jax.Array, axis: int, recipe: MXRecipe, out_dtype: Any) -> jax.Array:
+    """``value`` quantized to MXFP8 in blocks along ``axis`` and dequantized."""
+    data, scale = quantize_mx(
+        value.astype(jnp.float32) if value.dtype != jnp.bfloat16 else value,
+        block_size=recipe.block_size, axis=axis, scale_mode=recipe.scale_mode,
+    )  # fmt: skip
+    return dequantize_mx(data, scale, out_dtype, axis=axis)
+
+
 def mx_linear(x: jax.Array, w_t: jax.Array, recipe: MXRecipe, out_dtype: Any) -> jax.Array:
     """``x @ w_t`` for ``x`` (M, K) and ``w_t`` (K, N) as torchao's ``MXFP8Linear`` with
     ``KernelPreference.EMULATED`` computes it: each matmul's operands quantized to MXFP8
@@ -260,11 +274,7 @@ def mx_linear(x: jax.Array, w_t: jax.Array, recipe: MXRecipe, out_dtype: Any) ->
     gradients cast to each operand's own dtype)."""
 
     def mx(value: jax.Array, axis: int) -> jax.Array:
-        data, scale = quantize_mx(
-            value.astype(jnp.float32) if value.dtype != jnp.bfloat16 else value,
-            block_size=recipe.block_size, axis=axis, scale_mode=recipe.scale_mode,
-        )  # fmt: skip
-        return dequantize_mx(data, scale, out_dtype, axis=axis)
+        return _mx_seen(value, axis, recipe, out_dtype)
 
     def mm(a: jax.Array, b: jax.Array) -> jax.Array:
         return lax.dot_general(
@@ -293,18 +303,48 @@ def mx_linear(x: jax.Array, w_t: jax.Array, recipe: MXRecipe, out_dtype: Any) ->
 
 
 def float8_dot_general(
-    lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, recipe: Recipe, out_dtype: Any
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    recipe: Recipe,
+    out_dtype: Any,
+    key: jax.Array | None = None,
 ) -> jax.Array:
-    """A batch-free ``dot_general`` as :func:`float8_linear` (or :func:`mx_linear`) on its
-    rows and columns."""
+    """A batch-free ``dot_general`` as :func:`float8_linear` (or :func:`mx_linear`, or
+    :func:`nvfp4_linear` with ``key`` for its stochastic rounding) on its rows and
+    columns."""
     lhs_perm, rhs_perm, m, k, n = as_rows_and_columns(dimension_numbers, lhs.shape, rhs.shape)
     (lhs_contract, rhs_contract), _ = dimension_numbers
     x = jnp.transpose(lhs, lhs_perm).reshape(m, k)
     w_t = jnp.transpose(rhs, rhs_perm).reshape(k, n)
     if isinstance(recipe, MXRecipe):
         out = mx_linear(x, w_t, recipe, out_dtype)
+    elif isinstance(recipe, NVFP4Recipe):
+        out = nvfp4_linear(x, w_t, recipe, out_dtype, key)
     else:
         out = float8_linear(x, w_t, recipe, out_dtype)
     lhs_free_shape = [lhs.shape[d] for d in lhs_perm[: len(lhs_perm) - len(lhs_contract)]]
     rhs_free_shape = [rhs.shape[d] for d in rhs_perm[len(rhs_contract) :]]
     return out.reshape(*lhs_free_shape, *rhs_free_shape)
+
+
+def forward_operands(
+    x: jax.Array, w_t: jax.Array, recipe: Recipe, out_dtype: Any
+) -> tuple[jax.Array, jax.Array, int]:
+    """The forward matmul's operands ``x`` (M, K) and ``w_t`` (K, N) as ``recipe``
+    quantizes them, dequantized to float32, and the significand bits of their format
+    (what :func:`jaxscale.float8_report` counts flushed and saturated values from)."""
+    if isinstance(recipe, MXRecipe):
+        return _mx_seen(x, 1, recipe, jnp.float32), _mx_seen(w_t, 0, recipe, jnp.float32), 3
+    if isinstance(recipe, NVFP4Recipe):
+        x_seen, w_seen = nvfp4_forward_operands(x, w_t, recipe)
+        return x_seen, w_seen, 1
+    assert recipe.input is not None
+    assert recipe.weight is not None
+
+    def dequantized(value: jax.Array, cast: Cast, axis: int) -> jax.Array:
+        data, scale = _quantized(value.astype(out_dtype), cast, axis, recipe.power_of_2)
+        return data.astype(jnp.float32) * (1.0 / scale)
+
+    bits = 3 if recipe.input.dtype == E4M3 else 2
+    return dequantized(x, recipe.input, 1), dequantized(w_t, recipe.weight, 0), bits

@@ -42,6 +42,7 @@ from jaxscale.casting._interpreter import (
     is_floating,
     widest,
 )
+from jaxscale.casting._matmul_site import checked_answer
 from jaxscale.casting._policy import FLOAT32_FUNCTIONS
 from jaxscale.casting._region import autocast_state
 
@@ -182,19 +183,93 @@ def _scan(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag
     # layer's parameters scanned over); the carry is computed anew
     body_tags = [*const_tags, *[Tag.NONE] * num_carry, *[t & Tag.GIVEN for t in xs_tags]]
 
-    def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
-        outs = autocaster.run(body, [*consts, *carry, *x], body_tags)
-        return cast_floating(outs[:num_carry], carry_dtypes), outs[num_carry:]
+    keyed = autocaster.key is not None and autocaster.float8 is not None
+    origins = [autocaster.origin_of(x) for x in xs]
 
-    carry, ys = lax.scan(
-        step,
-        init,
-        xs,
-        length=length,
-        reverse=reverse,
-        unroll=unroll,
-    )
+    def make_step() -> Callable[..., Any]:
+        # a new function each time: JAX caches a scan body's trace by the function, and
+        # the probe of :func:`_layer_segments` traces it with no matmul decided
+        def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+            outer_key = autocaster.key
+            if keyed:  # each iteration draws its own stochastic rounding
+                *x, iteration = x
+                autocaster.key = jax.random.fold_in(outer_key, iteration)
+            # a slice of an argument is still that argument (a layer of a stacked weight)
+            named = [(value, origin) for value, origin in zip(x, origins, strict=True) if origin]
+            autocaster.name_inputs([v for v, _ in named], [o for _, o in named])
+            try:
+                outs = autocaster.run(body, [*consts, *carry, *x], body_tags)
+            finally:
+                autocaster.key = outer_key
+            return cast_floating(outs[:num_carry], carry_dtypes), outs[num_carry:]
+
+        return step
+
+    def scan_over(start: int, stop: int, carry: list[Any]) -> tuple[list[Any], list[Any]]:
+        whole = start == 0 and stop == length
+        sliced = xs if whole else [x[start:stop] for x in xs]
+        if keyed:
+            sliced = [*sliced, jnp.arange(start, stop, dtype=jnp.uint32)]
+        outer_layer, autocaster.layer = autocaster.layer, (start, length)
+        outer_repeats, autocaster.repeats = autocaster.repeats, autocaster.repeats * (stop - start)
+        try:
+            return lax.scan(
+                make_step(), carry, sliced, length=stop - start, reverse=reverse, unroll=unroll
+            )
+        finally:
+            autocaster.layer, autocaster.repeats = outer_layer, outer_repeats
+
+    segments = _layer_segments(autocaster, body, consts, init, xs, length, scan_over)
+    carry, pieces = init, {}
+    for start, stop in reversed(segments) if reverse else segments:
+        carry, pieces[start] = scan_over(start, stop, carry)
+    ys = [
+        jnp.concatenate([pieces[start][i] for start, _ in segments])
+        if len(segments) > 1 else pieces[0][i]
+        for i in range(len(pieces[0]))
+    ]  # fmt: skip
     return [*carry, *ys], []
+
+
+def _layer_segments(
+    autocaster: Autocaster, body: Any, consts: list[Any], init: list[Any], xs: list[Any],
+    length: int, scan_over: Any,
+) -> list[tuple[int, int]]:  # fmt: skip
+    """The runs of consecutive iterations of a scan for which the float8 filter decides
+    the body's matmuls alike (one run when there is no filter, or no matmul to decide).
+
+    The body is traced once with every decision deferred (the sites are recorded), then
+    the filter is asked about each site at each iteration."""
+    keep = autocaster.float8_filter
+    if keep is None or autocaster.float8 is None or length <= 1:
+        return [(0, length)]
+    recorded: list[Any] = []
+    outer, autocaster.recording = autocaster.recording, recorded
+    count = autocaster.site_count
+    try:
+        jax.eval_shape(lambda carry: scan_over(0, 1, carry), init)
+    finally:
+        autocaster.recording = outer
+        autocaster.site_count = count
+    if not recorded:
+        return [(0, length)]
+
+    def decisions(layer: int) -> tuple[bool, ...]:
+        return tuple(
+            checked_answer(keep(s), keep, s)
+            for s in (dataclasses.replace(site, layer=layer, layers=length) for site in recorded)
+        )
+
+    segments: list[tuple[int, int]] = []
+    previous = None
+    for layer in range(length):
+        current = decisions(layer)
+        if current != previous:
+            segments.append((layer, layer + 1))
+        else:
+            segments[-1] = (segments[-1][0], layer + 1)
+        previous = current
+    return segments
 
 
 @_register("while")

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,11 +65,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale._src.frames import location
 from jaxscale._src.jaxprs import (
     bind_in_context,
     contains_jaxpr,
     dot_dimension_numbers,
     equation_context,
+    equation_frames,
     is_literal,
     is_traced,
     is_variable,
@@ -79,14 +82,17 @@ from jaxscale._src.jaxprs import (
     preferred_element_type,
 )
 from jaxscale.casting import _axes
-from jaxscale.casting._float8_matmul import Recipe, float8_dot_general
+from jaxscale.casting._float8_matmul import Recipe, as_rows_and_columns, float8_dot_general
 from jaxscale.casting._float8_matmul import eligible as float8_eligible
 from jaxscale.casting._float32_gradients import dot_with_float32_gradients
+from jaxscale.casting._matmul_site import MatmulSite, checked_answer
 from jaxscale.casting._policy import Precision, is_registered, row_for
 
 # The named scope every autocast call runs under. Equations traced under it were
 # already decided by that (inner) autocast, so an enclosing one leaves them as traced.
 MARKER = "jaxscale.autocast"
+# The scopes JAX's transforms add to a name stack, which name no layer.
+_TRANSFORM_SCOPE = re.compile(r"^(jit|pjit|jvp|transpose|checkpoint|remat|rematted_computation)\b")
 
 
 class Tag(enum.Flag):
@@ -104,6 +110,9 @@ class Tag(enum.Flag):
 
 # Primitives that move values without arithmetic: what a value is survives them.
 _VIEWS = {"reshape", "transpose", "squeeze", "copy", "name", "device_put", "xla_metadata_value"}
+# Views through which a value is still the argument it came from, for the matmul
+# sites' weight paths (a cast is one: a float32 parameter narrowed to bfloat16).
+_ORIGIN_KEEPING = _VIEWS | {"convert_element_type"}
 # Primitives that take several values and treat each on its own: a barrier, a transfer,
 # a sort that carries values along with its keys, a collective of several arrays. No
 # arithmetic joins the values, so each keeps the dtype it has and none is promoted (a
@@ -240,9 +249,28 @@ class Autocaster:
         device_type: str = "cuda",
         *,
         grad_dtype: Any = None,
+        float8_filter: Callable[[MatmulSite], bool] | None = None,
+        key: Any = None,
     ):
         self.dtype = np.dtype(dtype)
         self.float8 = float8
+        # which eligible matmuls run in the recipe (None: all); the key the recipes that
+        # round stochastically draw from, folded with each matmul's index
+        self.float8_filter = float8_filter
+        self.key = key
+        # the paths of the function's arguments, followed through views to the matmuls
+        # that use them: {id(value): (value, path)}
+        self._origins: dict[int, tuple[Any, str]] = {}
+        self.site_count = 0
+        # the scan iteration (and length) a layer's matmuls are decided for
+        self.layer: tuple[int, int] | None = None
+        # while a scan's body is probed for its matmuls: the sites met, none decided
+        self.recording: list[MatmulSite] | None = None
+        # how many times the equations being evaluated run per call (a scan's length)
+        self.repeats = 1
+        # measures each matmul in place of running it (jaxscale.float8_report): called
+        # with (autocaster, eqn, operands), returns the result or None to run it as usual
+        self.matmul_hook: Callable[[Autocaster, Any, list[Any]], Any] | None = None
         self.device_type = device_type
         # float32: the matmuls' gradients of operands narrowed from float32 stay float32
         self.grad_dtype = grad_dtype
@@ -256,6 +284,20 @@ class Autocaster:
         # (an average pool): {id(rounded sum): (rounded sum, float32 sum)}.
         self._window_sums: dict[int, tuple[Any, Any]] = {}
 
+    def name_inputs(self, values: Sequence[Any], paths: Sequence[str]) -> None:
+        """Record that ``values`` are the function's arguments at ``paths``."""
+        for value, path in zip(values, paths, strict=True):
+            self._origins[id(value)] = (value, path)
+
+    def _note_origin(self, source: Any, view: Any) -> None:
+        origin = self.origin_of(source)
+        if origin is not None:
+            self._origins[id(view)] = (view, origin)
+
+    def origin_of(self, value: Any) -> str | None:
+        entry = self._origins.get(id(value))
+        return entry[1] if entry is not None and entry[0] is value else None
+
     def axes_of(self, value: Any) -> _axes.Labels | None:
         entry = self._axes.get(id(value))
         return entry[1] if entry is not None and entry[0] is value else None
@@ -267,6 +309,9 @@ class Autocaster:
             labels = self.axes_of(old)
             if labels is not None:
                 self._axes[id(new)] = (new, labels)
+            origin = self.origin_of(old)
+            if origin is not None:
+                self._origins[id(new)] = (new, origin)
 
     def eval_in_place_of(
         self,
@@ -411,6 +456,8 @@ class Autocaster:
         else:
             outvals, out_tags = self.first_order(eqn, invals, in_tags)
             self._note_axes(eqn, invals, outvals)
+            if name in _ORIGIN_KEEPING and len(outvals) == 1 and invals:
+                self._note_origin(invals[0], outvals[0])
             if self._window_sums and name in _VIEWS:
                 self._note_window_sum_view(eqn, invals, outvals)
         return outvals, out_tags or [Tag.NONE] * len(outvals)
@@ -469,12 +516,17 @@ class Autocaster:
     ) -> Any | None:
         """The result of a matmul that runs as something other than itself: a float8
         recipe's, or one whose operands' gradients come out in float32; else ``None``."""
-        if self.float8 is not None and self._runs_in_float8(eqn):
+        if self.matmul_hook is not None and eqn.primitive.name == "dot_general":
+            measured = self.matmul_hook(self, eqn, invals)
+            if measured is not None:
+                return measured
+        if self.float8 is not None and self.runs_in_float8(eqn) and self._takes(eqn, invals):
             # torchao's Float8Linear: the input in the autocast dtype, the weight
             # quantized from its own precision, the result in the autocast dtype
             lhs = self.cast(invals[0], self.dtype, in_tags[0])
+            key = None if self.key is None else jax.random.fold_in(self.key, self.site_count - 1)
             return float8_dot_general(
-                lhs, invals[1], dot_dimension_numbers(eqn), self.float8, self.dtype
+                lhs, invals[1], dot_dimension_numbers(eqn), self.float8, self.dtype, key
             )
         floating = [v for v in invals if is_floating(v.dtype)]
         if self._keeps_float32_gradients(eqn, floating, traced):
@@ -599,7 +651,7 @@ class Autocaster:
             return False
         return any(v.dtype.itemsize > self.dtype.itemsize for v in floating)
 
-    def _runs_in_float8(self, eqn: Any) -> bool:
+    def runs_in_float8(self, eqn: Any) -> bool:
         """A linear layer's matmul under a float8 recipe: eligible, and not a matmul of a
         backward pass traced inside the function (those run in the autocast dtype)."""
         return (
@@ -607,6 +659,47 @@ class Autocaster:
             and eqn.primitive.name == "dot_general"
             and float8_eligible(eqn, self.float8)
             and "transpose(" not in name_stack_text(eqn)
+        )
+
+    def _takes(self, eqn: Any, invals: list[Any]) -> bool:
+        """Whether the float8 filter lets this eligible matmul run in the recipe (while a
+        scan is probed: records its site and lets none)."""
+        self.site_count += 1
+        keep = self.float8_filter
+        if keep is None and self.recording is None:
+            return True
+        site = self.site(eqn, invals)
+        if self.recording is not None or keep is None:
+            if self.recording is not None:
+                self.recording.append(site)
+            return False
+        return checked_answer(keep(site), keep, site)
+
+    def site(self, eqn: Any, invals: list[Any]) -> MatmulSite:
+        """The :class:`MatmulSite` a filter is told of ``eqn``."""
+        lhs, rhs = invals[0], invals[1]
+        _, _, m, k, n = as_rows_and_columns(dot_dimension_numbers(eqn), lhs.shape, rhs.shape)
+        scopes = [
+            part for part in name_stack_text(eqn).split("/")
+            if part and part != MARKER and not _TRANSFORM_SCOPE.match(part)
+        ]  # fmt: skip
+        found = location(equation_frames(eqn))
+        layer, layers = self.layer if self.layer is not None else (None, None)
+        lhs_path, rhs_path = self.origin_of(lhs), self.origin_of(rhs)
+        on_the_left = weight_on_the_left(lhs_path, rhs_path)
+        weight = lhs_path if on_the_left else rhs_path
+        # as a linear layer's: N counts the weight's own outputs (Equinox's weight @ x,
+        # vmapped, puts the weight on the left)
+        dims = (n, k, m) if on_the_left else (m, k, n)
+        return MatmulSite(
+            name_stack="/".join(scopes),
+            weight=weight,
+            source=found.user or found.library,
+            shapes=(tuple(lhs.shape), tuple(rhs.shape)),
+            dims=dims,
+            index=self.site_count - 1,
+            layer=layer,
+            layers=layers,
         )
 
     def _promote_to_widest(
@@ -630,6 +723,20 @@ class Autocaster:
             for i in members:
                 out[i] = self.cast(invals[i], target, in_tags[i])
         return out
+
+
+def weight_on_the_left(lhs: str | None, rhs: str | None) -> bool:
+    """Whether a matmul's weight is its left operand, from the argument paths the two
+    are views of: the one given, or of two given, the more deeply nested (a layer's
+    parameter inside a module or a dict, where the input is an argument of its own);
+    the right one on a tie (``x @ w``)."""
+    if lhs is None or rhs is None:
+        return lhs is not None
+
+    def depth(path: str) -> int:
+        return path.count("[") + path.count(".")
+
+    return depth(lhs) > depth(rhs)
 
 
 def _sums_back_in_half(eqn: Any, invals: list[Any], in_tags: list[Tag], index: int) -> bool:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import jaxpr_as_fun
 
+from jaxscale._src.frames import Location, location
 from jaxscale._src.jaxprs import (
     bind_in_context,
     called_program,
@@ -32,7 +33,6 @@ from jaxscale._src.jaxprs import (
     parameters,
     scan_operand_groups,
 )
-from jaxscale.diagnosis._frames import Location, location
 from jaxscale.diagnosis._phases import backward_equations
 
 NOT_IN_A_LOOP = -1

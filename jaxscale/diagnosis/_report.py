@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale._src.frames import Location
 from jaxscale._src.jaxprs import is_traced
 from jaxscale.core.shared import NonfiniteRecord, empty_nonfinite_record
-from jaxscale.diagnosis._frames import Location
 
 INF, NAN = 1, 2
 """Bits of a non-finite code: the value holds an infinity, a NaN."""

@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale._src.frames import Location
 from jaxscale._src.jaxprs import call_name, is_traced
 from jaxscale._src.stateful_call import TracedCall
 from jaxscale.diagnosis._evaluator import NOT_IN_A_LOOP, CarryingEvaluator, EquationRun, Phase
-from jaxscale.diagnosis._frames import Location
 
 F = TypeVar("F", bound=Callable[..., Any])
 MATMULS = ("dot_general", "conv_general_dilated")

@@ -807,3 +807,35 @@ def test_parameters_a_closure_captures_are_summed_in_float32_like_arguments():
     closed, passed = jax.grad(closing_over)(params), jax.grad(passing)(params)
     for a, b in zip(jax.tree.leaves(closed), jax.tree.leaves(passed), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_an_embedding_added_to_a_channels_last_convolution_promotes():
+    # a (1, H, W, C) float32 position embedding varies along the image's axes, so it is
+    # no bias of the convolution: PyTorch's + promotes to float32. A (C,) bias is one.
+    x = jnp.ones((2, 8, 8, 3))
+    kernel = jnp.ones((3, 3, 3, 16)) * 0.1
+    position = jnp.ones((1, 8, 8, 16))
+    bias = jnp.ones(16)
+
+    def conv(x, kernel):
+        return lax.conv_general_dilated(x, kernel, (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))  # fmt: skip
+
+    def model(x, kernel, position, bias):
+        return conv(x, kernel) + position, conv(x, kernel) + bias[None, None, None]
+
+    cast = jaxscale.autocast(model, dtype=jnp.bfloat16)
+    with_position, with_bias = cast(x, kernel, position, bias)
+    assert with_position.dtype == jnp.float32
+    assert with_bias.dtype == jnp.bfloat16
+
+
+def test_an_embedding_added_to_a_reshaped_product_promotes():
+    # (x.reshape(B*T, D) @ w).reshape(B, T, F) + pos: pos varies along T, which comes
+    # from the input's rows, so it is no bias: float32, as PyTorch's + gives
+    x, w, pos = jnp.ones((4, 8, 32)), jnp.ones((32, 16)), jnp.ones((8, 16))
+
+    def model(x, w, pos):
+        return (x.reshape(32, 32) @ w).reshape(4, 8, 16) + pos[None]
+
+    assert jaxscale.autocast(model, dtype=jnp.bfloat16)(x, w, pos).dtype == jnp.float32

@@ -143,3 +143,53 @@ def test_float8_layers_follow_their_recipe():
 def test_other_grad_dtypes_are_refused(bad):
     with pytest.raises(ValueError, match=r"grad_dtype must be None or jnp\.float32"):
         jaxscale.autocast(layer, grad_dtype=bad)
+
+
+def test_half_activations_times_a_float32_weight_give_a_float32_weight_gradient():
+    # the activations are float16 already; the weight is float32, narrowed by autocast:
+    # its gradient is the float32 product, finite where a float16 result would overflow
+    x = (jax.random.normal(jax.random.key(1), (256, 64)) * 4.0).astype(F16)
+    w = jax.random.normal(jax.random.key(2), (64, 32)) * 0.1
+
+    def loss(w, x):  # lax takes the mixed operands as they are (jnp would promote x)
+        return jnp.sum(lax.dot_general(x, w, (((1,), (0,)), ((), ())))) * 2.0**10
+
+    grad = jax.grad(jaxscale.autocast(loss, grad_dtype=F32))(w, x)
+    assert grad.dtype == F32
+    assert bool(jnp.isfinite(grad).all())
+    expected = lax.dot_general(x, jnp.full((256, 32), 2.0**10, F16), (((0,), (0,)), ((), ())),
+                               preferred_element_type=F32)  # fmt: skip
+    np.testing.assert_array_equal(grad, expected)
+    assert not bool(jnp.isfinite(jax.grad(jaxscale.autocast(loss))(w, x)).all())
+
+
+def test_contracting_axes_in_another_order_give_the_right_gradients():
+    # "bjk,kjn->bn": the two operands list their contracting axes in different orders
+    x = jax.random.normal(jax.random.key(1), (16, 4, 8))
+    w = jax.random.normal(jax.random.key(2), (8, 4, 32)) * 0.1
+
+    def loss(x, w):
+        return jnp.sum(jnp.einsum("bjk,kjn->bn", x, w).astype(F32) ** 2)
+
+    ours = jax.grad(jaxscale.autocast(loss, grad_dtype=F32), argnums=(0, 1))(x, w)
+    reference = jax.grad(jaxscale.autocast(loss), argnums=(0, 1))(x, w)
+    for got, want in zip(ours, reference, strict=True):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=0.02, atol=0.02 * float(jnp.abs(want).max()))
+
+
+def test_a_sharded_weight_on_an_explicit_mesh_keeps_its_sharding_in_the_gradient():
+    mesh = jax.make_mesh((8,), ("model",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+    w = jax.random.normal(jax.random.key(2), (64, 32)) * 0.1
+    with jax.set_mesh(mesh):
+        x = jax.device_put(x, P())
+        w = jax.device_put(w, P("model", None))  # the contracted axis sharded
+
+        def loss(x, w):
+            return jnp.sum(jnp.dot(x, w, out_sharding=P()).astype(F32) ** 2)
+
+        grads = jax.jit(jax.grad(jaxscale.autocast(loss, grad_dtype=F32), argnums=(0, 1)))(x, w)
+        assert jax.typeof(grads[1]).sharding.spec == P("model", None)
+        reference = jax.jit(jax.grad(jaxscale.autocast(loss), argnums=(0, 1)))(x, w)
+    np.testing.assert_allclose(grads[1], reference[1], rtol=0.02, atol=0.02)

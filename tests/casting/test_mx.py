@@ -128,3 +128,31 @@ def test_a_sharded_weight_is_gathered_dequantized_under_mxfp8(tmp_path):
 def test_the_gather_pattern_reads_dumped_hlo():
     line = "%ag = f8e4m3fn[64,64]{1,0} all-gather(%x), replica_groups={{0,1}}"
     assert re.findall(r"(\w+)\[[0-9,]*\]{[0-9,]*} all-gather\(", line) == ["f8e4m3fn"]
+
+
+def test_a_weight_closed_over_by_a_jitted_function_is_quantized_as_an_argument_is():
+    # XLA constant-folds the quantization and dequantization of a constant; without a
+    # barrier between them the folded 64x32 weight took another block's scale
+    weight = jnp.eye(64, 32) * 1e-3
+    x = jax.random.normal(jax.random.key(0), (32, 64))
+
+    def round_trip(w):
+        data, scale = jaxscale.quantize_mx(w, block_size=32, axis=0)
+        return jaxscale.dequantize_mx(data, scale, jnp.float32, axis=0)
+
+    np.testing.assert_array_equal(
+        jax.jit(lambda: round_trip(weight))(), jax.jit(round_trip)(weight)
+    )
+    layer = jaxscale.autocast(lambda x, w: x @ w, dtype=jnp.bfloat16, float8="mxfp8")
+    np.testing.assert_array_equal(jax.jit(lambda x: layer(x, weight))(x), jax.jit(layer)(x, weight))
+
+
+@pytest.mark.parametrize("scale_mode", ["floor", "rceil"])
+def test_a_block_holding_a_nan_dequantizes_to_nan_everywhere(scale_mode):
+    # its scale is the NaN byte, as torchao's: the whole block is NaN, not zeros and a NaN
+    x = jnp.ones(64).at[3].set(jnp.nan)
+    data, scale = jaxscale.quantize_mx(x, scale_mode=scale_mode)
+    assert np.asarray(scale).view(np.uint8).tolist() == [255, 119]  # 2**-8: 1 is 256 in e4m3
+    values = np.asarray(jaxscale.dequantize_mx(data, scale))
+    assert np.isnan(values[:32]).all()
+    np.testing.assert_array_equal(values[32:], 1.0)

@@ -52,16 +52,22 @@ def blocks(seed: int = 0) -> np.ndarray:
     return np.asarray(rows, np.float32)
 
 
+ELEMENTS = {"e4m3": (jnp.float8_e4m3fn, torch.float8_e4m3fn),
+            "e5m2": (jnp.float8_e5m2, torch.float8_e5m2)}  # fmt: skip
+
+
+@pytest.mark.parametrize("element", list(ELEMENTS))
 @pytest.mark.parametrize("scale_mode", list(MODES))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_quantize_mx_is_torchaos_to_mx_bit_for_bit(scale_mode, dtype):
+def test_quantize_mx_is_torchaos_to_mx_bit_for_bit(scale_mode, dtype, element):
+    ours_element, torch_element = ELEMENTS[element]
     x = blocks()
     tensor = torch.from_numpy(x).to(torch.bfloat16 if dtype == jnp.bfloat16 else torch.float32)
-    scale, data = to_mx(tensor, torch.float8_e4m3fn, 32, MODES[scale_mode])
+    scale, data = to_mx(tensor, torch_element, 32, MODES[scale_mode])
     values = jnp.asarray(tensor.float().numpy()).astype(dtype)
-    ours_data, ours_scale = jax.jit(lambda v: jaxscale.quantize_mx(v, scale_mode=scale_mode))(
-        values
-    )
+    ours_data, ours_scale = jax.jit(
+        lambda v: jaxscale.quantize_mx(v, ours_element, scale_mode=scale_mode)
+    )(values)
     assert x.shape[0] == 11_828
     assert ours_scale.dtype == jnp.float8_e8m0fnu
     np.testing.assert_array_equal(

@@ -221,3 +221,135 @@ def test_bad_arguments_are_named(kwargs, message):
         jaxscale.quantize_nvfp4(jnp.ones((16, 32)), **kwargs)
     with pytest.raises(ValueError, match="a multiple of 16"):
         jaxscale.quantize_nvfp4(jnp.ones((16, 24)))
+
+
+# -- the training recipe: autocast(..., float8="nvfp4") ------------------------------------
+
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+
+
+def te_dequantized(x: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """``x`` through TransformerEngine's chain (scale from its own amax) and back, in
+    bfloat16: the operand an emulated NVFP4 matmul multiplies."""
+    xf = x.float()
+    amax = xf.abs().max()
+    codes, scales = te_reference(x, amax, block_rows)
+    s_enc = torch.full_like(amax, 448.0 * 6.0) / amax
+    s_enc = torch.where(amax == 0, torch.ones_like(s_enc), s_enc)
+    decode = torch.ones_like(s_enc) / s_enc
+    magnitude = torch.from_numpy(E2M1_VALUES[codes & 7])
+    values = torch.where(torch.from_numpy((codes & 8) > 0), -magnitude, magnitude)
+    factor = (decode * scales.float()).repeat_interleave(16, 1)
+    return (values * factor).bfloat16()
+
+
+def torch_rht(a: torch.Tensor) -> torch.Tensor:
+    """Each block of 16 along ``a``'s last axis times TransformerEngine's default
+    random Hadamard matrix, bfloat16 in and out."""
+    hadamard = torch.ones(1, 1)
+    while hadamard.shape[0] < 16:
+        hadamard = torch.cat(
+            [torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)]
+        )
+    matrix = torch.diag(torch.tensor(DEFAULT_SIGNS, dtype=torch.float32)) @ hadamard * 0.25
+    blocks = a.bfloat16().float().reshape(-1, 16)
+    return (blocks @ matrix).reshape(a.shape).bfloat16()
+
+
+def assert_products_agree(ours, a: torch.Tensor, b: torch.Tensor):
+    """``ours`` (bfloat16) is the product of the bfloat16 operands ``a @ b``: equal to
+    the exact product rounded once to bfloat16, but where a float32 sum in another
+    order lands on the other side of a rounding boundary (one bfloat16 step), or
+    cancels (float32's error on the sum of the terms' magnitudes)."""
+    exact = (a.double() @ b.double()).float().bfloat16().float().numpy()
+    magnitudes = (a.double().abs() @ b.double().abs()).numpy()
+    ours = np.asarray(ours, np.float32)
+    bound = np.abs(exact) * 2.0**-7 + magnitudes * 2.0**-16
+    assert np.all(np.abs(ours - exact) <= bound)
+    assert np.mean(ours == exact) > 0.98
+
+
+@pytest.mark.parametrize("blocks_2d", [True, False])
+def test_the_nvfp4_recipe_is_transformer_engines_three_matmuls(blocks_2d):
+    # stochastic rounding off, so the reference is deterministic; the recipe is then
+    # TransformerEngine's: x 1x16 along K, the weight in 16x16 tiles (or 1x16 along each
+    # matmul's K), dy 1x16 along N, and the weight gradient from the Hadamard transforms
+    # of x.T and dy.T along M
+    recipe = jaxscale.casting.NVFP4Recipe(stochastic_rounding=False, weight_blocks_2d=blocks_2d)
+    rng = np.random.default_rng(11)
+    m, k, n = 64, 96, 48
+    x = heavy_tailed(rng, m, k) * 1e-3
+    x = np.clip(x, -1e3, 1e3).astype(np.float32)
+    w = (rng.standard_normal((k, n)) * 0.05).astype(np.float32)
+    dy = jnp.asarray(rng.standard_t(3, (m, n)), BF16)
+    layer = jaxscale.autocast(lambda x, w: x @ w, dtype=BF16, float8=recipe)
+    out, pullback = jax.vjp(layer, jnp.asarray(x), jnp.asarray(w))
+    grad_x, grad_w = pullback(dy)
+    assert out.dtype == BF16
+
+    x_t, w_t, dy_t = (
+        torch.from_numpy(x).bfloat16(),
+        torch.from_numpy(w),
+        torch.from_numpy(np.asarray(dy, np.float32)).bfloat16(),
+    )
+    if blocks_2d:
+        w_fwd = w_bwd = te_dequantized(w_t, 16)
+    else:
+        w_fwd = te_dequantized(w_t.t().contiguous(), 1).t()  # 1x16 along K
+        w_bwd = te_dequantized(w_t, 1)  # 1x16 along N
+    assert_products_agree(out, te_dequantized(x_t, 1), w_fwd)
+    assert_products_agree(grad_x, te_dequantized(dy_t, 1), w_bwd.t())
+    x_rht = torch_rht(x_t.t().contiguous())  # (K, M), transformed along M
+    dy_rht = torch_rht(dy_t.t().contiguous())  # (N, M)
+    assert_products_agree(grad_w, te_dequantized(x_rht, 1), te_dequantized(dy_rht, 1).t())
+
+
+def test_the_nvfp4_recipe_rounds_output_gradients_stochastically_from_the_key():
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 32)) * 0.1, jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((32, 32)), BF16)
+
+    def grads(key):
+        layer = jaxscale.autocast(lambda x, w: x @ w, dtype=BF16, float8="nvfp4", key=key)
+        out, pullback = jax.vjp(layer, x, w)
+        return out, pullback(dy)
+
+    out_a, (gx_a, gw_a) = grads(jax.random.key(0))
+    out_b, (gx_b, gw_b) = grads(jax.random.key(1))
+    _out_c, (gx_c, gw_c) = grads(jax.random.key(0))
+    np.testing.assert_array_equal(out_a, out_b)  # the forward rounds to nearest
+    assert not np.array_equal(gx_a, gx_b)
+    assert not np.array_equal(gw_a, gw_b)
+    np.testing.assert_array_equal(gx_a, gx_c)
+    np.testing.assert_array_equal(gw_a, gw_c)
+    # unbiased: averaged over keys, the input gradient approaches the nearest-rounding one
+    nearest_layer = jaxscale.autocast(
+        lambda x, w: x @ w, dtype=BF16,
+        float8=jaxscale.casting.NVFP4Recipe(stochastic_rounding=False),
+    )  # fmt: skip
+    # what the rounding of dy leaves: dy times the weight as the matmul sees it (16x16)
+    w_tiles = np.asarray(jaxscale.dequantize_nvfp4(*jaxscale.quantize_nvfp4(w, block=(16, 16))))
+    exact = np.asarray(dy, np.float32) @ w_tiles.T
+    mean = np.mean(
+        [np.asarray(grads(jax.random.key(i))[1][0], np.float32) for i in range(64)], axis=0
+    )
+    nearest = np.asarray(jax.vjp(nearest_layer, x, w)[1](dy)[0], np.float32)
+    assert np.linalg.norm(mean - exact) < 0.5 * np.linalg.norm(nearest - exact)
+
+
+def test_the_nvfp4_recipe_asks_for_a_key_and_no_other_recipe_takes_one():
+    with pytest.raises(ValueError, match="needs a key"):
+        jaxscale.autocast(lambda x, w: x @ w, dtype=BF16, float8="nvfp4")
+    with pytest.raises(ValueError, match="key is drawn from only by"):
+        jaxscale.autocast(lambda x, w: x @ w, dtype=BF16, float8="rowwise", key=jax.random.key(0))
+    with pytest.raises(TypeError, match="key must be a JAX PRNG key"):
+        jaxscale.autocast(lambda x, w: x @ w, dtype=BF16, float8="nvfp4", key=0)
+
+
+def test_the_nvfp4_recipe_leaves_matmuls_not_multiples_of_16_in_bfloat16():
+    x, w = jnp.ones((8, 64)), jnp.ones((64, 32))  # 8 rows: not a multiple of 16
+    layer = jaxscale.autocast(lambda x, w: x @ w, dtype=BF16, float8="nvfp4",
+                              key=jax.random.key(0))  # fmt: skip
+    plain = jaxscale.autocast(lambda x, w: x @ w, dtype=BF16)
+    np.testing.assert_array_equal(layer(x, w), plain(x, w))

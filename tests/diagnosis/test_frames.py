@@ -17,7 +17,7 @@ import jmp
 import pytest
 
 import jaxscale
-from jaxscale.diagnosis import _frames
+from jaxscale._src import frames as _frames
 
 
 def test_an_unlisted_installed_package_is_a_library():

@@ -684,3 +684,40 @@ def test_a_writer_in_a_chain_comes_last():
         for params_after, state, _ in run(tx, params, 3):
             masters = jaxscale.master_params(state, params_after)
             np.testing.assert_array_equal(masters["w"].astype(BF16), params_after["w"])
+
+
+def test_amsgrads_running_maximum_is_a_second_moment_stored_with_the_unsigned_map():
+    # torchao keeps max_exp_avg_sq with the unsigned map, as every second moment
+    inner = third_party.optimizer(optax.amsgrad(1e-3))
+    tx = jaxscale.low_precision_state(inner, "int8")
+    params = {"w": jax.random.normal(jax.random.key(0), (64, 128))}
+    state, wide = tx.init(params), inner.init(params)
+    for index in range(3):
+        grads = grads_for(params, index)
+        _, state = jax.jit(tx.update)(grads, state, params)
+        _, wide = jax.jit(inner.update)(grads, wide, params)
+    stored = state.inner_state[0].nu_max["w"]
+    exact = np.asarray(wide[0].nu_max["w"])
+    codes, _ = jaxscale.quantize_blockwise(wide[0].nu_max["w"], "int8", signed=False)
+    read = np.asarray(jaxscale.dequantize_blockwise(*stored, "int8", signed=False))
+    # stored through the same quantization each step: the unsigned map's error, a few %
+    assert np.median(np.abs(read - exact) / exact) < 0.06
+    assert np.mean(np.asarray(stored.codes) == np.asarray(codes)) > 0.9
+
+
+def test_block_size_sets_the_blocks_of_the_stored_state():
+    params = {"w": jnp.zeros((64, 128))}
+    for block_size, blocks in ((256, 32), (128, 64), (1024, 8)):
+        tx = jaxscale.low_precision_state(optax.adam(1e-3), "int8", block_size=block_size)
+        assert tx.init(params).inner_state[0].mu["w"].scale.size == blocks
+
+
+@pytest.mark.parametrize("dtype", ["int8", jnp.float8_e4m3fn])
+def test_kahan_compensation_under_low_precision_state_is_kept_in_the_parameters_dtype(dtype):
+    # the compensation is part of the parameter, not a statistic: it is not quantized
+    params = {"w": jnp.zeros((64, 128), BF16)}
+    tx = jaxscale.low_precision_state(jaxscale.kahan_summation(optax.adam(1e-3)), dtype)
+    state = tx.init(params).inner_state
+    assert isinstance(state, jaxscale.KahanSummationState)
+    assert state.compensation["w"].dtype == BF16
+    assert isinstance(state.inner_state[0].mu["w"], jaxscale.BlockQuantized)

@@ -3,6 +3,7 @@
 import importlib
 import sys
 
+import numpy as np
 import pytest
 from support import machine, paths, third_party
 
@@ -29,6 +30,7 @@ def test_every_example_is_covered():
         "train_char_lm",
         "compare_precisions",
         "compare_low_precision",
+        "float8_policy",
         "linen_train_state",
         "clip_gradients",
         "pytorch_side_by_side",
@@ -102,6 +104,19 @@ def test_low_precision_comparison(tmp_path):
 
 
 @pytest.mark.slow
+def test_float8_policy(tmp_path, capsys):
+    argv = ["--recipe", "rowwise", "--steps", "4", "--bound", "0.0", "--keep-at-most", "0.2"]
+    table = run("float8_policy", [*argv, "--plot", str(tmp_path / "p.png")])
+    lines = table.splitlines()
+    assert len(lines) == 5  # header, rule, three settings
+    assert lines[2].startswith("| bfloat16 | 0.0% |")
+    assert lines[3].startswith("| rowwise, every layer | 89.5% |")
+    assert "layers kept in bfloat16" in lines[4]
+    assert (tmp_path / "p.md").read_text().strip() == table
+    assert "proposal:" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_precision_comparison(tmp_path):
     report = run(
         "compare_precisions", ["--steps", "15", "--devices", "4", "--plot", str(tmp_path / "c.png")]
@@ -158,3 +173,14 @@ def test_data_parallel_over_every_device(capsys):
     assert f"(equal on all {count} devices: True)" in out
     assert summary["loss"] < 5.0
     assert summary["scale"] == 2.0**16
+
+
+@pytest.mark.slow
+def test_the_main_example_trains_in_nvfp4_with_a_key_for_each_step():
+    char_lm = importlib.import_module("char_lm")  # the examples' folder is on the path
+    config = char_lm.Config(precision="float8-nvfp4", scaler=False, steps=3)
+    with third_party.standard_promotion():
+        _, history, summary = char_lm.train(config)
+    assert len(history.loss) == 3
+    assert np.isfinite(history.loss).all()
+    assert summary["val_loss"] < 5.0

@@ -580,3 +580,22 @@ def _schedule_free_steps():
     assert_close(evaluated, optax.contrib.schedule_free_eval_params(plain_state, plain_params))
     with pytest.raises(AttributeError, match=r"opt_state\.inner_state\.b1"):
         optax.contrib.schedule_free_eval_params(opt_state, params)
+
+
+def test_an_update_calling_a_jitted_helper_that_closes_over_an_array():
+    # the helper's program holds the array as a constant of its own: it is kept whole,
+    # not inlined into the update's equations
+    table = jnp.arange(4.0)
+    helper = jax.jit(lambda g: g * table)
+
+    def update(updates, state, params=None):
+        return jax.tree.map(helper, updates), state
+
+    tx = optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+    scaled = jaxscale.grad_scaler(tx, init_scale=4.0)
+    params = {"w": jnp.ones(4)}
+    state = scaled.init(params)
+    grads = {"w": jnp.full(4, 4.0)}  # the scaled gradient of a loss whose gradient is 1
+    updates, state = jax.jit(scaled.update)(grads, state, params)
+    np.testing.assert_array_equal(updates["w"], np.arange(4.0))
+    assert not bool(jaxscale.found_inf(state))

@@ -1,0 +1,223 @@
+"""Which matmuls run in a float8 recipe: what a filter is told about each, and the
+filters people write.
+
+``autocast(fn, float8=recipe, float8_filter=keep)`` calls ``keep(site)`` once for each
+matmul the recipe could take, when ``fn`` is traced; a matmul it refuses runs as the
+autocast ``dtype`` says (its forward and both backward matmuls together). The
+:class:`MatmulSite` names the matmul the ways a user knows it: its name stack
+(``jax.named_scope``, Linen's and Haiku's module paths), the path of the argument its
+weight comes from (NNX's and Equinox's attribute names), its source line, its shapes,
+and, inside a ``lax.scan`` over stacked layers, which layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from collections.abc import Callable
+from typing import Any
+
+# A path's parts: ``['name']``, ``[3]`` and ``.name`` of jax.tree_util.keystr, and the
+# ``/``-separated scopes of a name stack.
+_PATH_PART = re.compile(r"\['([^']*)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)|([^/\[\].']+)")
+# Linen numbers the modules of a list attribute ``layers_0``, ``layers_1``, ...
+_NUMBERED = re.compile(r"^(.*)_(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulSite:
+    """A matmul a float8 recipe could run, as ``autocast``'s ``float8_filter`` sees it.
+
+    Attributes:
+      name_stack: JAX's name stack at the matmul, ``/``-joined, without the transforms
+        JAX adds (``jit(...)``, ``jvp(...)``) and autocast's own scope: the scopes of
+        ``jax.named_scope``, Linen's module path (``"Transformer/lm_head"``), Haiku's
+        (``"transformer/lm_head"``); Equinox's vmapped layers appear as
+        ``"vmap(eqx.nn.Linear)"``; NNX adds nothing.
+      weight: the path of the function's argument the matmul's weight is a view of, in
+        ``jax.tree_util.keystr`` form with the argument's position first: NNX
+        ``"[0]['lm_head']['kernel'].value"``, Linen ``"[0]['params']['lm_head']['kernel']"``,
+        Equinox ``"[0].lm_head.weight"``; ``None`` when neither operand is one (both are
+        computed, as attention's are).
+      source: ``"file.py:LINE"`` of the user's line that traced the matmul (``""`` when
+        JAX recorded none).
+      shapes: the two operands' shapes.
+      dims: ``(M, K, N)``: the rows, contracted size and columns of the matmul as a
+        linear layer (``x`` ``(M, K)`` times ``w`` ``(K, N)``).
+      index: its position among the function's eligible matmuls, in the order traced.
+      layer, layers: inside a ``lax.scan`` (``nnx.scan``, ``nn.scan``, ``eqx`` or Haiku
+        stacks built on it), the iteration the decision is asked for and the scan's
+        length; ``None`` outside one. autocast asks for every layer and splits the scan
+        where the answer changes.
+    """
+
+    name_stack: str
+    weight: str | None
+    source: str
+    shapes: tuple[tuple[int, ...], tuple[int, ...]]
+    dims: tuple[int, int, int]
+    index: int
+    layer: int | None = None
+    layers: int | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every part of :attr:`name_stack` and :attr:`weight`: the names a pattern of
+        :func:`exclude_names` is matched against one by one."""
+        parts: list[str] = []
+        for text in (self.name_stack, self.weight or ""):
+            parts.extend(next(p for p in match.groups() if p is not None)
+                         for match in _PATH_PART.finditer(text))  # fmt: skip
+        return tuple(parts)
+
+    def list_index(self, name: str) -> int | None:
+        """The position of this matmul's layer in a list attribute ``name`` (NNX's and
+        Equinox's ``layers[3]``, Linen's ``layers_3``), or ``None``."""
+        parts = self.names
+        for i, part in enumerate(parts):
+            if part == name and i + 1 < len(parts) and parts[i + 1].isdigit():
+                return int(parts[i + 1])
+            numbered = _NUMBERED.match(part)
+            if numbered and numbered[1] == name:
+                return int(numbered[2])
+        return None
+
+
+Filter = Callable[[MatmulSite], bool]
+
+
+def exclude_names(*patterns: str) -> Filter:
+    """A ``float8_filter`` that keeps in the autocast dtype the matmuls whose names
+    match any of ``patterns`` (shell-style, as :mod:`fnmatch`): torchao's
+    ``module_filter_fn`` on a name.
+
+    A pattern matches a site when it matches its whole :attr:`MatmulSite.name_stack`,
+    its whole :attr:`MatmulSite.weight`, or any one of its :attr:`MatmulSite.names`.
+    ``"lm_head"`` excludes the output head in every framework (Linen's
+    ``"LM/lm_head"``, NNX's ``"[0]['lm_head']['kernel'].value"``, Equinox's
+    ``"[0].lm_head.weight"``); ``"*attn*"`` every matmul under a scope or attribute
+    whose name contains ``attn``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxscale
+      >>> from jaxscale.casting import exclude_names
+      >>> def model(params, x):
+      ...     return jnp.tanh(x @ params["body"]) @ params["lm_head"]
+      >>> params = {"body": jnp.ones((32, 32)), "lm_head": jnp.ones((32, 16))}
+      >>> step = jaxscale.autocast(model, dtype=jnp.bfloat16, float8="rowwise",
+      ...                          float8_filter=exclude_names("lm_head"))
+      >>> step(params, jnp.ones((16, 32))).dtype
+      dtype(bfloat16)
+    """
+    for pattern in patterns:
+        if not isinstance(pattern, str) or not pattern:
+            raise TypeError(f"exclude_names takes non-empty strings, got {pattern!r}")
+
+    def keep(site: MatmulSite) -> bool:
+        texts = (site.name_stack, site.weight or "", *site.names)
+        return not any(fnmatch.fnmatchcase(t, p) for p in patterns for t in texts if t)
+
+    keep.__qualname__ = f"exclude_names{patterns!r}"
+    return keep
+
+
+def exclude_layers(first: int = 0, last: int = 0, *, name: str = "layers",
+                   count: int | None = None) -> Filter:  # fmt: skip
+    """A ``float8_filter`` that keeps the first ``first`` and last ``last`` layers of
+    a stack in the autocast dtype: Megatron's ``num_layers_at_start_in_bf16`` and
+    ``num_layers_at_end_in_bf16``.
+
+    A layer is found two ways. Inside a ``lax.scan`` over stacked layers (``nnx.scan``,
+    Linen's ``nn.scan``, ``jax.lax.scan`` of a layer function) it is the scan's
+    iteration, and the scan's length is the number of layers: autocast splits the scan
+    where the answer changes, so the kept layers run without the recipe. Otherwise it
+    is the index after ``name`` in the site's names (``layers[3]`` of NNX and Equinox,
+    ``layers_3`` of Linen), out of ``count`` layers. Matmuls in no layer (an embedding
+    projection, the output head) are left to the recipe: combine with
+    :func:`exclude_names` to keep those too.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxscale
+      >>> from jaxscale.casting import exclude_layers
+      >>> def stack(ws, x):
+      ...     return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+      >>> step = jaxscale.autocast(stack, dtype=jnp.bfloat16, float8="rowwise",
+      ...                          float8_filter=exclude_layers(first=1, last=1))
+      >>> step(jnp.ones((6, 32, 32)) / 32, jnp.ones((16, 32))).shape
+      (16, 32)
+    """
+    for label, value in (("first", first), ("last", last)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"exclude_layers: {label} must be an int >= 0, got {value!r}")
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise ValueError(f"exclude_layers: count must be None or an int >= 1, got {count!r}")
+
+    def keep(site: MatmulSite) -> bool:
+        position: int | None
+        if site.layer is not None and site.layers is not None:
+            position, total = site.layer, site.layers
+        else:
+            position = site.list_index(name)
+            if position is None:
+                return True
+            if count is None:
+                raise ValueError(
+                    f"exclude_layers: the matmul at {site.source or site.name_stack} is in "
+                    f"{name}[{position}] of a list of layers, and how many layers the list "
+                    f"has is not known: pass count=len(model.{name})"
+                )
+            total = count
+        return first <= position < total - last
+
+    keep.__qualname__ = f"exclude_layers(first={first}, last={last})"
+    return keep
+
+
+def auto_filter(recipe: str = "rowwise", exclude: tuple[str, ...] = ()) -> Filter:
+    """torchao's ``_auto_filter_for_recipe(recipe, filter_fqns=exclude)``: the matmuls
+    large enough for a float8 matmul to be faster than bfloat16 on an H100, by
+    torchao's thresholds on a linear layer's ``K`` (in features) and ``N`` (out
+    features), and no name containing any string of ``exclude`` (a substring, as
+    torchao matches fully qualified names).
+
+    ``"rowwise"``: ``N > 2048``, ``K > 1024``, and not both ``N <= 4096`` and
+    ``K <= 2048``. ``"tensorwise"``: not both ``K <= 4096`` and ``N <= 1024``. Both
+    ask that ``K`` and ``N`` be multiples of 16. The thresholds are torchao's
+    measurements on one GPU; :func:`jaxscale.float8_report` measures the error each
+    matmul's recipe adds instead.
+    """
+    if recipe not in ("rowwise", "tensorwise"):
+        raise ValueError(
+            f"auto_filter has torchao's thresholds for 'rowwise' and 'tensorwise', got {recipe!r}"
+        )
+    if isinstance(exclude, str):
+        exclude = (exclude,)
+
+    def keep(site: MatmulSite) -> bool:
+        texts = (site.name_stack, site.weight or "")
+        if any(part in text for part in exclude for text in texts):
+            return False
+        _, k, n = site.dims
+        if k % 16 or n % 16:
+            return False
+        if recipe == "tensorwise":
+            return not (k <= 4096 and n <= 1024)
+        return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
+
+    keep.__qualname__ = f"auto_filter({recipe!r})"
+    return keep
+
+
+def checked_answer(answer: Any, keep: Any, site: MatmulSite) -> bool:
+    """``keep(site)``'s answer, which must be a bool (an array would decide nothing at
+    trace time)."""
+    if isinstance(answer, bool):
+        return answer
+    if type(answer).__name__ == "bool_":  # numpy's bool
+        return bool(answer)
+    raise TypeError(
+        f"float8_filter must return a Python bool, got {type(answer).__name__} "
+        f"{answer!r} from {getattr(keep, '__qualname__', keep)!r} for the matmul at "
+        f"{site.source or site.name_stack}"
+    )
