@@ -108,12 +108,53 @@ def disabled_metrics() -> dict[str, jax.Array]:
     }
 
 
+def parameters_finite(params: Any) -> jax.Array:
+    """Whether every floating leaf of ``params`` is finite (a bool scalar; jittable, no
+    host synchronisation): one read of the parameters, made only when asked."""
+    flags = jax.tree.leaves(nonfinite_leaves(params))
+    if not flags:
+        return jnp.asarray(True)
+    return jnp.logical_not(jnp.any(jnp.stack(flags)))
+
+
+def with_parameter_check(metrics: dict[str, Any], params: Any) -> dict[str, Any]:
+    """``metrics`` with ``params_finite`` added when ``params`` is given."""
+    if params is None:
+        return metrics
+    return {**metrics, "params_finite": parameters_finite(params)}
+
+
+def _parameters_note(params: Any) -> str:
+    """Why every step is skipped when the parameters themselves are not finite."""
+    if params is None:
+        return (
+            " (pass params= to metrics() to learn whether the parameters themselves "
+            "hold inf or NaN)"
+        )
+    culprits = nonfinite_paths(params)
+    if not culprits:
+        return ""
+    shown = ", ".join(culprits[:3]) + (
+        f" and {len(culprits) - 3} more" if len(culprits) > 3 else ""
+    )
+    return (
+        f". The parameters themselves hold inf or NaN ({shown}), so every gradient does "
+        "and every step is skipped, for good: an update wrote them. With float16 "
+        "parameters an optimizer constant such as Adam's eps=1e-8 is 0 in float16 "
+        "(0/0 is NaN): keep float32 masters with jaxscale.master_weights, or use eps >= "
+        "1e-4; jaxscale.locate_nonfinite names the operation"
+    )
+
+
 def warn_if_unhealthy(
-    metrics: dict[str, Any], warn_below: float | None, warn_above: float | None
-) -> None:
+    metrics: dict[str, Any], warn_below: float | None, warn_above: float | None,
+    params: Any = None,
+) -> None:  # fmt: skip
     """Warn (:class:`ScaleWarning`) when the scale is below ``warn_below`` or at or above
     ``warn_above``. Reads the scale on the host, so only with a threshold given and
-    only outside ``jit``; a traced scale with a threshold raises ``TypeError``."""
+    only outside ``jit``; a traced scale with a threshold raises ``TypeError``. With
+    ``params``, a scale below ``warn_below`` is explained by non-finite parameters when
+    they are the cause."""
     if warn_below is None and warn_above is None:
         return
     scale = metrics["scale"]
@@ -126,7 +167,8 @@ def warn_if_unhealthy(
     if warn_below is not None and value < warn_below:
         warnings.warn(
             f"the loss scale {value:g} is below {warn_below:g}: gradients have overflowed "
-            "on many recent steps (a NaN in the model or data, or a learning rate too high)",
+            "on many recent steps (a NaN in the model or data, or a learning rate too high)"
+            + _parameters_note(params),
             ScaleWarning,
             stacklevel=3,
         )

@@ -15,4 +15,5 @@ from jaxscale.core._health import keep_overflow_record as keep_overflow_record
 from jaxscale.core._health import scaler_metrics as scaler_metrics
 from jaxscale.core._health import warn_about_scaled_loss as warn_about_scaled_loss
 from jaxscale.core._health import warn_if_unhealthy as warn_if_unhealthy
+from jaxscale.core._health import with_parameter_check as with_parameter_check
 from jaxscale.core._scaling import unscale as unscale

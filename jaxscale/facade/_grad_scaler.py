@@ -39,6 +39,7 @@ from jaxscale.core.shared import (
     unscale,
     warn_about_scaled_loss,
     warn_if_unhealthy,
+    with_parameter_check,
 )
 from jaxscale.facade._iteration import Iteration, OptimizerRecord, Stage
 from jaxscale.facade._optimizers import adapter_for
@@ -513,19 +514,28 @@ class GradScaler(nnx.Pytree):
         return _concrete(self._scaler_state.skipped_steps, int)
 
     def metrics(
-        self, *, warn_below: float | None = None, warn_above: float | None = None
+        self,
+        *,
+        params: Any = None,
+        warn_below: float | None = None,
+        warn_above: float | None = None,
     ) -> dict[str, jax.Array]:
         """The scaler's state as a dict of arrays, ready for a logger.
 
         Keys: ``scale``, ``found_inf`` (the last ``update()``'s), ``skipped_steps``,
-        ``growth_tracker`` and ``overflow_streak``. Building the dict reads nothing
-        back to the host: return it from the jitted step and log it. With
-        ``warn_below``/``warn_above`` (outside ``jit`` only) a
+        ``growth_tracker`` and ``overflow_streak``; with ``params`` (the parameters, or
+        an NNX model) ``params_finite`` too, whether every parameter is finite. Building
+        the dict reads nothing back to the host: return it from the jitted step and log
+        it. With ``warn_below``/``warn_above`` (outside ``jit`` only) a
         :class:`~jaxscale.ScaleWarning` is issued when the scale is below, or at or
-        above, the threshold (as :func:`jaxscale.metrics`).
+        above, the threshold (as :func:`jaxscale.metrics`), naming non-finite
+        parameters as the cause when they are.
         """
         values = scaler_metrics(self._scaler_state) if self._enabled else disabled_metrics()
-        warn_if_unhealthy(values, warn_below, warn_above)
+        if isinstance(params, nnx.Module):
+            params = nnx.state(params, nnx.Param)
+        values = with_parameter_check(values, params)
+        warn_if_unhealthy(values, warn_below, warn_above, params)
         return values
 
     # -- getters and setters ------------------------------------------------------------

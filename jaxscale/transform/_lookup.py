@@ -21,6 +21,7 @@ from jaxscale.core.shared import (
     scaler_metrics,
     warn_about_scaled_loss,
     warn_if_unhealthy,
+    with_parameter_check,
 )
 from jaxscale.transform._grad_scaler import GradScalerState
 
@@ -133,7 +134,11 @@ def skipped_steps(opt_state: Any) -> jax.Array:
 
 
 def metrics(
-    opt_state: Any, *, warn_below: float | None = None, warn_above: float | None = None
+    opt_state: Any,
+    *,
+    params: Any = None,
+    warn_below: float | None = None,
+    warn_above: float | None = None,
 ) -> dict[str, jax.Array]:
     """The grad_scaler's state as a dict of arrays, ready for a logger.
 
@@ -149,6 +154,12 @@ def metrics(
     with ``warn_above`` when it is at or above it (pass ``max_scale`` to learn
     that the scale sits at its ceiling).
 
+    With ``params`` (the parameters the state updates), ``params_finite`` too: whether
+    every parameter is finite, one read of the parameters (jittable, no host sync). A
+    scale below ``warn_below`` with non-finite parameters is named as such: every step
+    is then skipped for good (an update wrote inf or NaN; with float16 parameters
+    Adam's ``eps=1e-8`` is 0).
+
     >>> import jax.numpy as jnp, optax, jaxscale
     >>> opt_state = jaxscale.grad_scaler(optax.sgd(0.1)).init({"w": jnp.zeros(2)})
     >>> values = jaxscale.metrics(opt_state)
@@ -160,7 +171,8 @@ def metrics(
         values = disabled_metrics()
     else:
         values = {k: _array(v) for k, v in scaler_metrics(state.scaler).items()}
-    warn_if_unhealthy(values, warn_below, warn_above)
+    values = with_parameter_check(values, params)
+    warn_if_unhealthy(values, warn_below, warn_above, params)
     return values
 
 

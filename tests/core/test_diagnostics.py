@@ -289,3 +289,55 @@ def test_thresholds_inside_jit_raise_instead_of_syncing():
     opt_state = jaxscale.grad_scaler(optax.sgd(0.1)).init(jnp.zeros(1))
     with pytest.raises(TypeError, match="outside jit"):
         jax.jit(lambda s: jaxscale.metrics(s, warn_below=1.0))(opt_state)
+
+
+def float16_adam_run(steps=5):
+    """float16 parameters under grad_scaler(adam): Adam's eps=1e-8 is 0 in float16, so
+    the first update writes NaN into the parameters, and every later step is skipped."""
+    params = {"w": jax.random.normal(jax.random.key(0), (16, 16)).astype(jnp.float16)}
+    x = jax.random.normal(jax.random.key(1), (8, 16)).astype(jnp.float16)
+    tx = jaxscale.grad_scaler(third_party.optimizer(optax.adam(1e-3)))
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):
+        loss = lambda p: jaxscale.scale(jnp.mean((x @ p["w"]).astype(jnp.float32) ** 2), state)  # noqa: E731
+        updates, state = tx.update(jax.grad(loss)(params), state, params)
+        with third_party.standard_promotion():
+            params = optax.apply_updates(params, updates)
+        return params, state, jaxscale.metrics(state, params=params)
+
+    for _ in range(steps):
+        params, state, values = step(params, state)
+    return params, state, values
+
+
+def test_metrics_say_whether_the_parameters_are_finite_without_a_host_sync():
+    params, state, values = float16_adam_run()
+    assert set(values) == KEYS | {"params_finite"}
+    assert not bool(values["params_finite"])
+    assert int(values["skipped_steps"]) == 4  # every step after the first
+    jaxpr = jax.make_jaxpr(lambda s, p: jaxscale.metrics(s, params=p))(state, params)
+    assert {e.primitive.name for e in jaxpr.eqns}.isdisjoint({"callback", "pure_callback"})
+    fine = jaxscale.metrics(state, params={"w": jnp.ones(2), "n": jnp.int32(1)})
+    assert bool(fine["params_finite"])
+
+
+def test_the_skip_storm_warning_names_parameters_that_hold_nan():
+    params, state, _ = float16_adam_run()
+    with pytest.warns(jaxscale.ScaleWarning, match=r"parameters themselves hold inf or NaN "
+                      r"\(\['w'\]\).*eps=1e-8 is 0 in float16.*master_weights"):  # fmt: skip
+        jaxscale.metrics(state, params=params, warn_below=2.0**16)
+    with pytest.warns(jaxscale.ScaleWarning, match=r"pass params= to metrics\(\)"):
+        jaxscale.metrics(state, warn_below=2.0**16)
+
+
+def test_the_facade_checks_an_nnx_models_parameters():
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    scaler = GradScaler(init_scale=0.5)
+    assert bool(scaler.metrics(params=model)["params_finite"])
+    model.kernel[...] = model.kernel[...].at[0, 0].set(jnp.nan)
+    values = scaler.metrics(params=model)
+    assert not bool(values["params_finite"])
+    with pytest.warns(jaxscale.ScaleWarning, match=r"\['kernel'\]"):
+        scaler.metrics(params=model, warn_below=1.0)
