@@ -5,7 +5,7 @@ Trains the character-level transformer of ``char_lm.py`` three times: in bfloat1
 with every linear layer in the recipe, and with the layers ``float8_report`` proposes
 kept in bfloat16 (measured on the model as initialised, on one training batch). Prints
 the report and writes a markdown table (validation loss, its gap to bfloat16's, and the
-share of matmul FLOPs in the recipe) beside the plot, as ``.md``.
+share of matmul FLOPs in the recipe).
 
     python examples/float8_policy.py --recipe nvfp4 --keep-at-most 0.15
 """
@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--keep-at-most", type=float, default=0.15,
                         help="the largest share of matmul FLOPs kept in bfloat16")  # fmt: skip
     parser.add_argument("--steps", type=int, default=char_lm.Config().steps)
-    parser.add_argument("--plot", type=pathlib.Path, default=None,
-                        help="the table's path stem (default float8_policy_RECIPE.md)")  # fmt: skip
+    parser.add_argument("--table", type=pathlib.Path, default=None,
+                        help="the table's path (default float8_policy_RECIPE.md)")  # fmt: skip
     args = parser.parse_args(argv)
     dataset = char_lm.Dataset.load()
     report = proposal(args.recipe, args.bound, args.keep_at_most, dataset)
@@ -81,9 +81,9 @@ def main(argv: list[str] | None = None) -> str:
     ]
     table = "\n".join(lines)
     print("\n" + table)
-    path = args.plot or pathlib.Path(f"float8_policy_{args.recipe}.md")
-    path.with_suffix(".md").write_text(table + "\n")
-    print(f"\ntable: {path.with_suffix('.md')}")
+    path = args.table or pathlib.Path(f"float8_policy_{args.recipe}.md")
+    path.write_text(table + "\n")
+    print(f"\ntable: {path}")
     return table
 
 

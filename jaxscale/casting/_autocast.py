@@ -14,7 +14,7 @@ import numpy as np
 from jaxscale._src import validation
 from jaxscale._src.stateful_call import TracedCall
 from jaxscale.casting import _higher_order  # noqa: F401  (registers the higher-order rules)
-from jaxscale.casting._float8_matmul import recipe_for
+from jaxscale.casting._float8_matmul import recipe_for, rounds_stochastically
 from jaxscale.casting._hidden_state import refuse_inside_hidden_state
 from jaxscale.casting._interpreter import MARKER, Autocaster, Tag, cast_floating
 from jaxscale.casting._nvfp4_matmul import NVFP4Recipe
@@ -303,12 +303,18 @@ def _check_key(key: Any, recipe: Any) -> None:
                 "pass jaxscale.autocast(..., float8='nvfp4', key=jax.random.key(step)), or "
                 "float8=jaxscale.casting.NVFP4Recipe(stochastic_rounding=False)"
             )
+        if rounds_stochastically(recipe):
+            raise ValueError(
+                f"the float8 recipe {recipe.name!r} rounds output gradients stochastically "
+                "(stochastic_gradients=True) and needs a key: pass jaxscale.autocast(..., "
+                "key=jax.random.fold_in(key, step))"
+            )
         return
-    if not _rounds_stochastically(recipe):
+    if not rounds_stochastically(recipe):
         raise ValueError(
             f"key is drawn from only by a float8 recipe that rounds stochastically "
-            f"(float8='nvfp4'), got float8={getattr(recipe, 'name', recipe)!r}: drop key, "
-            "or choose such a recipe"
+            f"(float8='nvfp4', or a recipe with stochastic_gradients=True), got "
+            f"float8={getattr(recipe, 'name', recipe)!r}: drop key, or choose such a recipe"
         )
     dtype = getattr(key, "dtype", None)
     typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
@@ -317,10 +323,6 @@ def _check_key(key: Any, recipe: Any) -> None:
         raise TypeError(
             f"key must be a JAX PRNG key, e.g. key=jax.random.key(0), got {type(key).__name__}"
         )
-
-
-def _rounds_stochastically(recipe: Any) -> bool:
-    return isinstance(recipe, NVFP4Recipe) and recipe.stochastic_rounding
 
 
 def _validated_grad_dtype(grad_dtype: Any) -> np.dtype | None:

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale.casting._stochastic_float8 import stochastic_to_float8
+
 EPS = 1e-12
 FLOAT8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 
@@ -47,6 +49,7 @@ def quantize_float8(
     *,
     axis: int | None = None,
     power_of_2: bool = False,
+    key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``x`` as float8 data and the float32 scale it was multiplied by: torchao's dynamic
     scaling, bit for bit.
@@ -64,6 +67,9 @@ def quantize_float8(
       axis: ``None`` for one scale for the tensor, or the axis to scale along
         (rowwise scaling scales each row along the axis it is contracted over).
       power_of_2: round each scale down to a power of two.
+      key: ``None`` (round to nearest, as torchao), or a PRNG key: the scaled values
+        rounded to float8 stochastically (unbiased: to the float8 value above or below,
+        with probability proportional to nearness).
 
     Returns:
       ``(data, scale)``: ``data`` in ``dtype`` with ``x``'s shape, ``scale`` float32
@@ -84,6 +90,10 @@ def quantize_float8(
         raise ValueError(f"quantize_float8 expects a floating array, got {x.dtype}")
     amax = jnp.max(jnp.abs(x), axis=axis, keepdims=axis is not None)
     scale = amax_to_scale(amax.astype(jnp.float32), target, power_of_2=power_of_2)
+    if key is not None:
+        limit = np.float32(float8_max(target))
+        scaled = jnp.clip(x.astype(jnp.float32) * scale, -limit, limit)
+        return stochastic_to_float8(scaled, target, key), scale
     return scaled_to_float8(x, scale, target), scale
 
 

@@ -67,6 +67,9 @@ class Float8Recipe:
       grad_output, weight_for_grad_input: the input-gradient matmul's operands.
       input_for_grad_weight, grad_output_for_grad_weight: the weight-gradient matmul's.
       power_of_2: round every scale down to a power of two.
+      stochastic_gradients: round the output gradient (the operand of both backward
+        matmuls) to float8 stochastically, from ``autocast``'s ``key``; off by default,
+        as torchao rounds to nearest.
     """
 
     name: str
@@ -77,6 +80,7 @@ class Float8Recipe:
     input_for_grad_weight: Cast | None
     grad_output_for_grad_weight: Cast | None
     power_of_2: bool = False
+    stochastic_gradients: bool = False
 
     def __post_init__(self) -> None:
         for first, second, matmul in (
@@ -138,12 +142,16 @@ class MXRecipe:
       wgrad_with_hp: the weight gradient's matmul in high precision (torchao's
         ``wgrad_with_hp=True``).
       block_size: elements per scale.
+      stochastic_gradients: round the output gradient's scaled values to float8
+        stochastically in both backward matmuls, from ``autocast``'s ``key``; off by
+        default, as torchao rounds to nearest.
     """
 
     name: str
     scale_mode: str = "rceil"
     wgrad_with_hp: bool = False
     block_size: int = 32
+    stochastic_gradients: bool = False
 
 
 MX_RECIPES: dict[str, MXRecipe] = {
@@ -153,6 +161,13 @@ MX_RECIPES: dict[str, MXRecipe] = {
 
 Recipe = Float8Recipe | MXRecipe | NVFP4Recipe
 _NAMED: dict[str, Recipe] = {**RECIPES, **MX_RECIPES, **NVFP4_RECIPES}
+
+
+def rounds_stochastically(recipe: Any) -> bool:
+    """Whether ``recipe`` draws random bits (and so needs ``autocast``'s ``key``)."""
+    if isinstance(recipe, NVFP4Recipe):
+        return recipe.stochastic_rounding
+    return bool(getattr(recipe, "stochastic_gradients", False))
 
 
 def recipe_for(float8: Any) -> Recipe | None:
@@ -199,16 +214,19 @@ def eligible(eqn: Any, recipe: Recipe | None = None) -> bool:
 # -- the matmul ----------------------------------------------------------------------------
 
 
-def _quantized(x: jax.Array, cast: Cast, axis: int, power_of_2: bool) -> tuple[Any, Any]:
+def _quantized(x: jax.Array, cast: Cast, axis: int, power_of_2: bool,
+               key: jax.Array | None = None) -> tuple[Any, Any]:  # fmt: skip
     return quantize_float8(
-        x, cast.dtype, axis=axis if cast.rowwise else None, power_of_2=power_of_2
+        x, cast.dtype, axis=axis if cast.rowwise else None, power_of_2=power_of_2, key=key
     )
 
 
 def _mm(a: jax.Array, b: jax.Array, cast_a: Cast | None, cast_b: Cast | None, recipe: Float8Recipe,
-        out_dtype: Any) -> jax.Array:  # fmt: skip
+        out_dtype: Any, key_a: jax.Array | None = None,
+        key_b: jax.Array | None = None) -> jax.Array:  # fmt: skip
     """``a @ b`` for ``a`` (M, K) and ``b`` (K, N): in float8 with each operand's scale,
-    or in high precision (``out_dtype``) when the recipe casts neither."""
+    or in high precision (``out_dtype``) when the recipe casts neither; an operand
+    with a key rounded stochastically."""
     if cast_a is None:
         product = lax.dot_general(
             a.astype(out_dtype), b.astype(out_dtype), (((1,), (0,)), ((), ())),
@@ -218,8 +236,8 @@ def _mm(a: jax.Array, b: jax.Array, cast_a: Cast | None, cast_b: Cast | None, re
     assert cast_b is not None
     # one scope around it all: an inf born in the final cast is the float8 matmul's
     with jax.named_scope(FLOAT8_MATMUL):
-        a8, scale_a = _quantized(a, cast_a, 1, recipe.power_of_2)  # along K
-        b8, scale_b = _quantized(b, cast_b, 0, recipe.power_of_2)  # along K
+        a8, scale_a = _quantized(a, cast_a, 1, recipe.power_of_2, key_a)  # along K
+        b8, scale_b = _quantized(b, cast_b, 0, recipe.power_of_2, key_b)  # along K
         # An identity that keeps XLA from fusing both operands' quantization (the scales'
         # integer long division) into the matmul: with rowwise scales, XLA 0.12 on the
         # CPU then compiles one small matmul's gradient for minutes.
@@ -231,50 +249,72 @@ def _mm(a: jax.Array, b: jax.Array, cast_a: Cast | None, cast_b: Cast | None, re
         return (product * ((1.0 / scale_a) * (1.0 / scale_b))).astype(out_dtype)
 
 
-def float8_linear(x: jax.Array, w_t: jax.Array, recipe: Float8Recipe, out_dtype: Any) -> jax.Array:
+def _gradient_keys(key: jax.Array | None) -> tuple[Any, Any]:
+    """The keys of the input-gradient and weight-gradient matmuls' roundings."""
+    if key is None:
+        return None, None
+    dgrad, wgrad = jax.random.split(key)
+    return dgrad, wgrad
+
+
+def _no_cotangent(key: jax.Array | None) -> Any:
+    return None if key is None else np.zeros(np.shape(key), jax.dtypes.float0)
+
+
+def float8_linear(x: jax.Array, w_t: jax.Array, recipe: Float8Recipe, out_dtype: Any,
+                  key: jax.Array | None = None) -> jax.Array:  # fmt: skip
     """``x @ w_t`` for ``x`` (M, K) and ``w_t`` (K, N), its three matmuls in float8 by
     ``recipe``; the result and both gradients in ``out_dtype`` (the gradients are cast
-    to each operand's own dtype)."""
+    to each operand's own dtype). With ``recipe.stochastic_gradients``, ``key`` draws
+    the output gradient's stochastic rounding."""
+    if not recipe.stochastic_gradients:
+        key = None
 
     @jax.custom_vjp
-    def matmul(x: jax.Array, w_t: jax.Array) -> jax.Array:
+    def matmul(x: jax.Array, w_t: jax.Array, key: Any) -> jax.Array:
         return _mm(x, w_t, recipe.input, recipe.weight, recipe, out_dtype)
 
-    def forward(x: jax.Array, w_t: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        return matmul(x, w_t), (x, w_t)  # high precision kept, as torchao keeps it
+    def forward(x: jax.Array, w_t: jax.Array, key: Any) -> tuple[jax.Array, Any]:
+        return matmul(x, w_t, key), (x, w_t, key)  # high precision kept, as torchao keeps it
 
-    def backward(saved: tuple[jax.Array, jax.Array], grad: jax.Array) -> tuple[Any, Any]:
-        x, w_t = saved
+    def backward(saved: Any, grad: jax.Array) -> tuple[Any, Any, Any]:
+        x, w_t, key = saved
         grad = grad.astype(out_dtype)
+        dgrad_key, wgrad_key = _gradient_keys(key)
         grad_x = _mm(grad, w_t.T, recipe.grad_output, recipe.weight_for_grad_input, recipe,
-                     out_dtype)  # fmt: skip
+                     out_dtype, key_a=dgrad_key)  # fmt: skip
         grad_w_t = _mm(x.T, grad, recipe.input_for_grad_weight, recipe.grad_output_for_grad_weight,
-                       recipe, out_dtype)  # fmt: skip
-        return grad_x.astype(x.dtype), grad_w_t.astype(w_t.dtype)
+                       recipe, out_dtype, key_b=wgrad_key)  # fmt: skip
+        return grad_x.astype(x.dtype), grad_w_t.astype(w_t.dtype), _no_cotangent(key)
 
     matmul.defvjp(forward, backward)
-    return matmul(x, w_t)
+    return matmul(x, w_t, key)
 
 
-def _mx_seen(value: jax.Array, axis: int, recipe: MXRecipe, out_dtype: Any) -> jax.Array:
+def _mx_seen(value: jax.Array, axis: int, recipe: MXRecipe, out_dtype: Any,
+             key: jax.Array | None = None) -> jax.Array:  # fmt: skip
     """``value`` quantized to MXFP8 in blocks along ``axis`` and dequantized."""
     data, scale = quantize_mx(
         value.astype(jnp.float32) if value.dtype != jnp.bfloat16 else value,
-        block_size=recipe.block_size, axis=axis, scale_mode=recipe.scale_mode,
+        block_size=recipe.block_size, axis=axis, scale_mode=recipe.scale_mode, key=key,
     )  # fmt: skip
     return dequantize_mx(data, scale, out_dtype, axis=axis)
 
 
-def mx_linear(x: jax.Array, w_t: jax.Array, recipe: MXRecipe, out_dtype: Any) -> jax.Array:
+def mx_linear(x: jax.Array, w_t: jax.Array, recipe: MXRecipe, out_dtype: Any,
+              key: jax.Array | None = None) -> jax.Array:  # fmt: skip
     """``x @ w_t`` for ``x`` (M, K) and ``w_t`` (K, N) as torchao's ``MXFP8Linear`` with
     ``KernelPreference.EMULATED`` computes it: each matmul's operands quantized to MXFP8
     along its contracting dimension (:func:`quantize_mx`), dequantized to ``out_dtype``,
     and multiplied in ``out_dtype``; the weight gradient from high-precision operands
     with ``wgrad_with_hp``. The result and both gradients in ``out_dtype`` (the
-    gradients cast to each operand's own dtype)."""
+    gradients cast to each operand's own dtype). With ``recipe.stochastic_gradients``,
+    ``key`` draws the output gradient's stochastic rounding."""
+    if not recipe.stochastic_gradients:
+        key = None
 
-    def mx(value: jax.Array, axis: int) -> jax.Array:
-        return _mx_seen(value, axis, recipe, out_dtype)
+    def mx(value: jax.Array, axis: int, key: jax.Array | None = None) -> jax.Array:
+        return _mx_seen(value, axis, recipe, out_dtype, key)
 
     def mm(a: jax.Array, b: jax.Array) -> jax.Array:
         return lax.dot_general(
@@ -282,24 +322,25 @@ def mx_linear(x: jax.Array, w_t: jax.Array, recipe: MXRecipe, out_dtype: Any) ->
         ).astype(out_dtype)
 
     @jax.custom_vjp
-    def matmul(x: jax.Array, w_t: jax.Array) -> jax.Array:
+    def matmul(x: jax.Array, w_t: jax.Array, key: Any) -> jax.Array:
         return mm(mx(x, 1), mx(w_t, 0))  # both along K
 
-    def forward(x: jax.Array, w_t: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        return matmul(x, w_t), (x, w_t)  # high precision kept, as torchao keeps it
+    def forward(x: jax.Array, w_t: jax.Array, key: Any) -> tuple[jax.Array, Any]:
+        return matmul(x, w_t, key), (x, w_t, key)  # high precision kept, as torchao keeps it
 
-    def backward(saved: tuple[jax.Array, jax.Array], grad: jax.Array) -> tuple[Any, Any]:
-        x, w_t = saved
+    def backward(saved: Any, grad: jax.Array) -> tuple[Any, Any, Any]:
+        x, w_t, key = saved
         grad = grad.astype(out_dtype)
-        grad_x = mm(mx(grad, 1), mx(w_t, 1).T)  # along N
+        dgrad_key, wgrad_key = _gradient_keys(key)
+        grad_x = mm(mx(grad, 1, dgrad_key), mx(w_t, 1).T)  # along N
         if recipe.wgrad_with_hp:
             grad_w_t = mm(x.astype(out_dtype).T, grad)
         else:
-            grad_w_t = mm(mx(x, 0).T, mx(grad, 0))  # along M
-        return grad_x.astype(x.dtype), grad_w_t.astype(w_t.dtype)
+            grad_w_t = mm(mx(x, 0).T, mx(grad, 0, wgrad_key))  # along M
+        return grad_x.astype(x.dtype), grad_w_t.astype(w_t.dtype), _no_cotangent(key)
 
     matmul.defvjp(forward, backward)
-    return matmul(x, w_t)
+    return matmul(x, w_t, key)
 
 
 def float8_dot_general(
@@ -318,11 +359,11 @@ def float8_dot_general(
     x = jnp.transpose(lhs, lhs_perm).reshape(m, k)
     w_t = jnp.transpose(rhs, rhs_perm).reshape(k, n)
     if isinstance(recipe, MXRecipe):
-        out = mx_linear(x, w_t, recipe, out_dtype)
+        out = mx_linear(x, w_t, recipe, out_dtype, key)
     elif isinstance(recipe, NVFP4Recipe):
         out = nvfp4_linear(x, w_t, recipe, out_dtype, key)
     else:
-        out = float8_linear(x, w_t, recipe, out_dtype)
+        out = float8_linear(x, w_t, recipe, out_dtype, key)
     lhs_free_shape = [lhs.shape[d] for d in lhs_perm[: len(lhs_perm) - len(lhs_contract)]]
     rhs_free_shape = [rhs.shape[d] for d in rhs_perm[len(rhs_contract) :]]
     return out.reshape(*lhs_free_shape, *rhs_free_shape)

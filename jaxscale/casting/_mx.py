@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale.casting._stochastic_float8 import stochastic_to_float8
+
 E8M0 = np.dtype(jnp.float8_e8m0fnu)
 # the float8 types MX scales, with their largest value and its binary exponent
 _ELEMENTS = {
@@ -51,6 +53,7 @@ def quantize_mx(
     block_size: int = 32,
     axis: int = -1,
     scale_mode: str = "rceil",
+    key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``x`` in an MX format: float8 data and one E8M0 scale per block of ``block_size``
     consecutive elements along ``axis``; torchao's ``to_mx``, bit for bit.
@@ -62,6 +65,8 @@ def quantize_mx(
       axis: the axis blocks run along (a matmul's contracting axis).
       scale_mode: ``"rceil"`` or ``"floor"``: how a block's scale is derived from its
         largest magnitude (see the module's notes).
+      key: ``None`` (round to nearest, as torchao), or a PRNG key: the scaled values
+        rounded to float8 stochastically (unbiased).
 
     Returns:
       ``(data, scale)``: ``data`` of ``x``'s shape in ``dtype``, ``x`` divided by its
@@ -97,15 +102,16 @@ def quantize_mx(
         raise ValueError(
             f"axis {axis} of shape {x.shape} does not split into blocks of {block_size}"
         )
-    return _quantized(x, element, block_size, axis, scale_mode)
+    return _quantized(x, element, block_size, axis, scale_mode, key)
 
 
 # One jit call (inlined by XLA): a few hundred small operations, which run eagerly one
 # compilation each would take tens of seconds the first time.
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _quantized(
-    x: jax.Array, element: np.dtype, block_size: int, axis: int, scale_mode: str
-) -> tuple[jax.Array, jax.Array]:
+    x: jax.Array, element: np.dtype, block_size: int, axis: int, scale_mode: str,
+    key: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     moved = jnp.moveaxis(x, axis, -1)
     blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // block_size, block_size)
     blocks = blocks.astype(jnp.float32)
@@ -126,7 +132,11 @@ def _quantized(
         multiplier = jnp.where(exponent == 0, 126, 127 - exponent)
         scaled = _times_power_of_two(blocks, jnp.maximum(multiplier, -127)[..., None])
         scaled = jnp.where((exponent == _NAN_BYTE)[..., None], blocks * 0.0, scaled)
-    data = jnp.clip(scaled, -largest, largest).astype(element).reshape(moved.shape)
+    clipped = jnp.clip(scaled, -largest, largest)
+    if key is None:
+        data = clipped.astype(element).reshape(moved.shape)
+    else:
+        data = stochastic_to_float8(clipped, element, key).reshape(moved.shape)
     scale = lax.bitcast_convert_type(exponent.astype(jnp.uint8), E8M0)
     return jnp.moveaxis(data, -1, axis), jnp.moveaxis(scale, -1, axis)
 

@@ -95,6 +95,10 @@ def test_the_readme_is_a_front_door():
 # The guides' measured tables are the files the example writes, copied verbatim: each
 # names the command that wrote it, and this keeps the two from drifting apart.
 MEASURED_TABLES = {
+    "examples/figures/float8_policy_nvfp4.md": (
+        "python examples/float8_policy.py --recipe nvfp4 --keep-at-most 0.15 --table "
+        "examples/figures/float8_policy_nvfp4.md"
+    ),
     "examples/figures/precision_comparison.md": (
         "python examples/compare_precisions.py --devices 1 256"
     ),

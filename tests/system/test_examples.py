@@ -106,7 +106,7 @@ def test_low_precision_comparison(tmp_path):
 @pytest.mark.slow
 def test_float8_policy(tmp_path, capsys):
     argv = ["--recipe", "rowwise", "--steps", "4", "--bound", "0.0", "--keep-at-most", "0.2"]
-    table = run("float8_policy", [*argv, "--plot", str(tmp_path / "p.png")])
+    table = run("float8_policy", [*argv, "--table", str(tmp_path / "p.md")])
     lines = table.splitlines()
     assert len(lines) == 5  # header, rule, three settings
     assert lines[2].startswith("| bfloat16 | 0.0% |")
