@@ -209,7 +209,7 @@ def test_compositions_keep_their_temporaries_bounded():
 
 
 def test_jit_init_quantizes_nothing_and_equals_eager_init():
-    params = {f"p{i}": jnp.zeros((1000, 200)) for i in range(4)}  # 200K each
+    params = {f"p{i}": jnp.zeros((1024, 200)) for i in range(4)}  # 200K each, whole blocks
     for fmt in FORMATS:
         tx = jaxscale.low_precision_state(adamw(), fmt)
         module = jax.jit(tx.init).lower(params).as_text()
