@@ -102,13 +102,14 @@ def quantize_mx(
         raise ValueError(
             f"axis {axis} of shape {x.shape} does not split into blocks of {block_size}"
         )
-    return _quantized(x, element, block_size, axis, scale_mode, key)
+    return quantize_to_mx_blocks(x, element, block_size, axis, scale_mode, key)
 
 
 # One jit call (inlined by XLA): a few hundred small operations, which run eagerly one
-# compilation each would take tens of seconds the first time.
+# compilation each would take tens of seconds the first time. precision_stats knows the
+# call by its name: what goes in is the high-precision tensor, what comes out its MX data.
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _quantized(
+def quantize_to_mx_blocks(
     x: jax.Array, element: np.dtype, block_size: int, axis: int, scale_mode: str,
     key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
@@ -160,11 +161,13 @@ def dequantize_mx(
     >>> jaxscale.dequantize_mx(data, scale)[jnp.array([0, 31, 63])].tolist()
     [-1.0, -0.015625, 1.0]
     """
-    return _dequantized(data, scale, np.dtype(dtype), axis % data.ndim)
+    return dequantize_mx_blocks(data, scale, np.dtype(dtype), axis % data.ndim)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
-def _dequantized(data: jax.Array, scale: jax.Array, dtype: np.dtype, axis: int) -> jax.Array:
+def dequantize_mx_blocks(
+    data: jax.Array, scale: jax.Array, dtype: np.dtype, axis: int
+) -> jax.Array:
     # XLA folds a quantization and this dequantization of a constant (a weight a jitted
     # function closes over) into a wrong constant: on the CPU with XLA 0.10, blocks of a
     # 64x32 array quantized along axis 0 took another block's scale. The barrier keeps

@@ -39,6 +39,12 @@ FLOAT8_DTYPES = tuple(
 # input is the high-precision tensor and its scale. Named here, not imported: diagnosis/
 # builds on core/ alone; a test checks the name against the function.
 FLOAT8_CAST = "cast_to_float8"
+# The jit calls in which quantize_mx and dequantize_mx work (casting/_mx.py): the first
+# takes the high-precision tensor and gives its MX data and scales, the second gives the
+# values a matmul of an MX recipe multiplies (in bfloat16 or float32, so the matmul's own
+# dtypes do not show the MX format: the figures travel from the one call to the other).
+MX_QUANTIZE = "quantize_to_mx_blocks"
+MX_DEQUANTIZE = "dequantize_mx_blocks"
 # Operations after a float8 cast that keep its figures with the data (the float8 matmul
 # puts its operands through an optimization barrier; a hand-written one may reshape them).
 _KEEPS_CAST = ("optimization_barrier", "reshape", "transpose", "squeeze", "expand_dims", "copy")
@@ -126,6 +132,11 @@ class StatsCollector(CarryingEvaluator):
         if name == "jit" and call_name(eqn) == FLOAT8_CAST:
             # quantize_float8's scaled cast: the high-precision tensor and its scale
             return [{**_cast_figures(invals[0], outvals[0]), "scale": invals[1]}]
+        if name == "jit" and call_name(eqn) == MX_QUANTIZE:
+            element = np.dtype(outvals[0].dtype).name
+            return [{**_cast_figures(invals[0], outvals[0]), "format": f"mx {element}"}, None]
+        if name == "jit" and call_name(eqn) == MX_DEQUANTIZE:
+            return [in_infos[0]]  # the dequantized values are in the input's units
         if name == "convert_element_type" and is_float8(outvals[0].dtype):
             if not is_float8(invals[0].dtype):
                 return [_cast_figures(invals[0], outvals[0])]
@@ -161,12 +172,13 @@ class StatsCollector(CarryingEvaluator):
             cast = info or {"lost": jnp.float32(0), "elements": jnp.float32(0)}
             figures[f"{side}_cast_lost"] = cast["lost"]
             figures[f"{side}_cast_elements"] = cast["elements"]
-        float8 = is_float8(lhs.dtype) or is_float8(rhs.dtype)
-        dtypes = (
-            f"{np.dtype(lhs.dtype).name} @ {np.dtype(rhs.dtype).name}"
-            if float8
-            else np.dtype(out.dtype).name
-        )
+        formats = [
+            info["format"] if info and "format" in info else np.dtype(value.dtype).name
+            for value, info in ((lhs, lhs_cast), (rhs, rhs_cast))
+        ]
+        mx = any(info and "format" in info for info in (lhs_cast, rhs_cast))
+        float8 = is_float8(lhs.dtype) or is_float8(rhs.dtype) or mx
+        dtypes = " @ ".join(formats) if float8 else np.dtype(out.dtype).name
         key = self.key(eqn, ran.phase, ran.here, dtypes)
         if float8:
             self.float8_keys.add(key)
@@ -212,6 +224,11 @@ def precision_stats(fn: F) -> Callable[..., tuple[Any, dict[str, dict[str, jax.A
     high-precision values: each operand's amax is that of the values its cast was
     given, and for operands cast by :func:`jaxscale.quantize_float8` (every recipe's)
     the output's figures are those of the product with both scales divided out.
+    A matmul of operands quantized by :func:`jaxscale.quantize_mx` and dequantized by
+    :func:`jaxscale.dequantize_mx` (the ``"mxfp8"`` recipes) is keyed by their MX
+    element types, ``"... (mx float8_e4m3fn @ mx float8_e4m3fn)"``, with the same two
+    columns: the fraction of each operand's non-zero elements whose MX data are zero or
+    subnormal (what a block's shared scale could not keep, next to the block's largest).
 
     Inside loops the figures cover every iteration. It is jittable (no callback,
     no transfer) and composes with :func:`jaxscale.autocast`: wrap the autocast

@@ -208,6 +208,56 @@ def test_autocast_float8_recipes_name_each_matmuls_float8_types(recipe):
             assert "lhs_float8_underflow" not in figures, key
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_wgrad_with_hp"])
+def test_autocast_mx_recipes_show_their_mx_operands_and_what_their_blocks_lost(recipe):
+    def loss(w, x):
+        return jnp.mean(projection(w.T, x).astype(F32) ** 2)
+
+    rng = np.random.default_rng(4)
+    w = jnp.asarray(rng.normal(size=(64, 64)) * 0.1, F32)
+    x = jnp.asarray(rng.standard_t(1, size=(32, 64)), F32)  # Cauchy: blocks far apart
+    grad = jax.grad(jaxscale.autocast(loss, dtype=jnp.bfloat16, float8=recipe))
+    got, stats = jax.jit(jaxscale.precision_stats(grad))(w, x)
+    if machine.keeps_every_rounding():
+        np.testing.assert_array_equal(got, jax.jit(grad)(w, x))
+    line = line_of(projection)
+    mx = "mx float8_e4m3fn @ mx float8_e4m3fn"
+    kinds = {key.removeprefix(line + " ").split(" #")[0] for key in stats}
+    assert (
+        kinds
+        == {
+            "mxfp8": {f"dot_general forward ({mx})", f"dot_general backward ({mx})"},
+            "mxfp8_wgrad_with_hp": {
+                f"dot_general forward ({mx})",
+                f"dot_general backward ({mx})",
+                "dot_general backward (bfloat16)",  # the weight gradient from bfloat16
+            },
+        }[recipe]
+    )
+    forward = values(stats)[f"{line} dot_general forward ({mx})"]
+    # x is quantized in blocks of 32 along its rows (the contracting axis), as autocast
+    # hands it over: rounded to bfloat16
+    x16 = x.astype(jnp.bfloat16)
+    data, _ = jaxscale.quantize_mx(x16, axis=1)
+    tiny = float(jnp.finfo(E4M3).tiny)
+    lost = np.mean((np.asarray(x16) != 0) & (np.abs(np.asarray(data).astype(np.float32)) < tiny))
+    assert lost > 0.01  # a block's outlier pushes its small values below e4m3's normals
+    assert forward["lhs_float8_underflow"] == pytest.approx(lost, abs=0)
+    assert forward["lhs_amax"] == float(jnp.max(jnp.abs(x16)))
+    np.testing.assert_allclose(forward["rhs_amax"], np.max(np.abs(w)), rtol=2**-8)
+    table = jaxscale.format_precision_stats(stats)
+    assert table.splitlines()[0].endswith("lhs to float8 lost  rhs to float8 lost")
+    assert f"{100 * lost:.2f}%" in table
+
+
+def test_quantize_mx_and_dequantize_mx_work_in_calls_named_for_precision_stats():
+    from jaxscale.diagnosis._stats import MX_DEQUANTIZE, MX_QUANTIZE
+
+    jaxpr = jax.make_jaxpr(lambda x: jaxscale.dequantize_mx(*jaxscale.quantize_mx(x)))(jnp.ones(32))
+    names = [e.params["name"] for e in jaxpr.eqns if e.primitive.name == "jit"]
+    assert names == [MX_QUANTIZE, MX_DEQUANTIZE]
+
+
 def test_a_float8_argument_has_no_cast_to_report():
     def given_float8(x8, w8):
         return lax.dot_general(x8, w8, (((1,), (0,)), ((), ())), preferred_element_type=F32)
