@@ -41,7 +41,7 @@ pytest_plugins = ["support.model_training"]
 WITHOUT_TORCH = os.environ.get("JAXSCALE_TESTS_WITHOUT_TORCH") == "1"
 _TORCH_SUPPORT = r"(?:torch_reference|torch_twins|torch_transformer|facade_drivers)\b"
 _NEEDS_TORCH = re.compile(
-    r"^(?:(?:import|from) (?:torch|torchao)\b"
+    r"^(?:(?:import|from) (?:torch|torchao|optimi)\b"
     rf"|from support\.{_TORCH_SUPPORT}"
     rf"|from support import [^\n]*\b{_TORCH_SUPPORT})",
     re.MULTILINE,
