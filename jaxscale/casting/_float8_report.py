@@ -176,7 +176,8 @@ def float8_report(
     Args:
       fn: a function returning a scalar loss, as ``autocast`` takes it (a module, a
         plain function of parameters and data).
-      *args, **kwargs: its arguments.
+      *args: its positional arguments.
+      **kwargs: its keyword arguments.
       dtype: the autocast dtype the recipes compute in.
       recipe: as ``autocast``'s ``float8``.
       bound: the largest relative error left in float8 (0.1 is 10%).
