@@ -63,12 +63,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _TORCH_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.torch)
+    # The longest tests first, so that the workers end together: xdist's work stealing
+    # moves tests that have not started, and a minute-long test started last by one
+    # worker would leave the other idle for that minute.
+    items.sort(key=_heavy_first)
     if not WITHOUT_TORCH:
         return
     deselected = [item for item in items if item.get_closest_marker("torch")]
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = [item for item in items if not item.get_closest_marker("torch")]
+
+
+def _heavy_first(item) -> int:
+    """0 for the long end-to-end runs (marked slow), 1 for the other end-to-end tests,
+    2 for the rest; a stable sort keeps each group in its collected order."""
+    if item.get_closest_marker("slow"):
+        return 0
+    return 1 if item.nodeid.startswith("tests/system/") else 2
 
 
 @pytest.fixture

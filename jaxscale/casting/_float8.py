@@ -122,7 +122,13 @@ def amax_to_scale(amax: jax.Array, dtype: Any, *, power_of_2: bool = False) -> j
     scale = jnp.where(
         amax < _SMALLEST_FLOAT32_FROM_EPS, clamped, divide_correctly_rounded(fmax, amax)
     )
-    return round_down_to_power_of_2(scale) if power_of_2 else scale
+    if power_of_2:
+        scale = round_down_to_power_of_2(scale)
+    # A scale is a few values (one a row at most) computed by a hundred integer
+    # operations; without the barrier XLA fuses that computation into the consumer of
+    # every element it scales, and XLA 0.12's CPU compiler then takes minutes on the
+    # fusion of a rowwise power-of-2 scale with a float8 round trip.
+    return lax.optimization_barrier(scale)
 
 
 # float64(amax) < 1e-12 for a float32 amax is amax < the smallest float32 >= 1e-12
