@@ -6,11 +6,22 @@ creates its backends, hence before anything imports jax.
 """
 
 import os
+import pathlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+
+# JAX's persistent compilation cache, shared by the workers of a run and by the processes
+# the tests start (notebook kernels, multi-process jobs inherit the variable): many tests
+# compile a program another test compiled already (one model under several assertions,
+# the same recipe in two layers' tests), and a cache hit loads the executable XLA made
+# the first time. Every program is compiled as before on a clean clone; a later run on
+# the same machine compiles only what changed. A cache set in the environment wins.
+_CACHE = pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax-compilation"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 
@@ -28,7 +39,6 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # missing torch is an import error, never a silent skip.
 
 import functools  # noqa: E402
-import pathlib  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 

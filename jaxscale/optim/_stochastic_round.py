@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from jaxscale._src.jaxprs import is_traced
+from jaxscale._src.threefry import random_bits
 
 TARGETS = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _FLOAT16_MAX_BITS = 0x7BFF  # 65504
@@ -111,17 +112,13 @@ def _uniform_16_bit(shape: tuple[int, ...], key: Any, bits: Any) -> jax.Array:
 
 
 def _draws(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """16 uniform random bits per element of ``shape``, two from each 32-bit word: the
-    words drawn along the last axis halved, each split into its low and high half for
-    two neighbours. Drawn in the array's own shape, the words of a shard are computed on
-    its device (JAX's partitionable Threefry), so a sharded parameter's draws need no
+    """16 uniform random bits per element of ``shape``: the low half of
+    ``jax.random.bits(key, shape, jnp.uint32)``. Each element's word is a hash of the key
+    and the element's index (JAX's partitionable Threefry), computed as arithmetic that
+    XLA fuses into the rounding, so no array of random words is written; a shard of a
+    sharded parameter hashes its own indices on its device, so the draws need no
     communication and do not depend on the mesh."""
-    if not shape:
-        return jax.random.bits(key, (), jnp.uint32) & 0xFFFF
-    pairs = -(-shape[-1] // 2)
-    words = jax.random.bits(key, (*shape[:-1], pairs), jnp.uint32)
-    halves = jnp.stack([words & 0xFFFF, words >> 16], axis=-1)
-    return halves.reshape(*shape[:-1], 2 * pairs)[..., : shape[-1]]
+    return random_bits(key, shape) & 0xFFFF
 
 
 def _to_bfloat16(x: jax.Array, draws: jax.Array) -> jax.Array:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jaxscale
+from jaxscale._src.threefry import random_bits
 
 
 def float16_neighbours(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -59,9 +60,41 @@ def test_a_key_draws_bits_and_the_result_depends_on_it():
     assert raw.dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize(
+    "key",
+    [jax.random.key(0), jax.random.PRNGKey(7), jax.random.fold_in(jax.random.key(3), 49)],
+    ids=["typed", "raw", "folded"],
+)
+@pytest.mark.parametrize("shape", [(5,), (3, 7), (2, 3, 1000), (4096, 3)])
+def test_a_keys_draws_are_the_low_half_of_jaxs_own_bits(key, shape):
+    # what a user reproduces with JAX's public API, computed by jaxscale's own hash
+    expected = np.asarray(jax.random.bits(key, shape, jnp.uint32)) & 0xFFFF
+    for compute in (random_bits, jax.jit(random_bits, static_argnums=1)):
+        np.testing.assert_array_equal(np.asarray(compute(key, shape)) & 0xFFFF, expected)
+    x = np.full(shape, 1.0 + 2.0**-9, np.float32)
+    np.testing.assert_array_equal(
+        jaxscale.stochastic_round(x, key=key), jaxscale.stochastic_round(x, bits=expected)
+    )
+
+
+def test_keys_that_are_not_threefry_draw_with_jax():
+    key = jax.random.key(0, impl="rbg")
+    np.testing.assert_array_equal(random_bits(key, (3, 4)), jax.random.bits(key, (3, 4)))
+
+
+def test_the_draws_are_hashed_where_they_are_read():
+    # JAX lowers Threefry's rounds as a loop on the CPU, which writes each round's words;
+    # as plain arithmetic they fuse into the rounding and nothing of the array's size is
+    # written besides the result
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    rounding = jax.jit(lambda x: jaxscale.stochastic_round(x, key=jax.random.key(0)))
+    temporaries = rounding.lower(x).compile().memory_analysis().temp_size_in_bytes
+    assert temporaries < 1024 * 1024 // 4
+
+
 def test_neighbouring_elements_draw_independently():
-    # two neighbours share a 32-bit word, one half each: their decisions must be
-    # independent (the same draw for both would round them together every time)
+    # neighbours' decisions must be independent (the same draw for both would round
+    # them together every time)
     x = jnp.full((1000, 1000), 1.0 + 2.0**-9, jnp.float32)  # up with probability 1/4
     up = np.asarray(jaxscale.stochastic_round(x, key=jax.random.key(3)), np.float32) > 1.0
     assert up.mean() == pytest.approx(0.25, abs=0.002)
