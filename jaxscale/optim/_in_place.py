@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale._src.deferred import elementwise_origin
 from jaxscale._src.elementwise import ElementwiseProgram
 from jaxscale.core import skip_applied, skip_predicate
 from jaxscale.optim._blockwise import (
@@ -291,9 +292,16 @@ def _run_component(
         if var in inputs:
             sources[var] = position
     others = [v for v in inputs if v not in sources]
-    other_values = [
-        values[v] if v in program.constants else flat[program.invars.index(v)] for v in others
-    ]
+    # An input a wrapping transform computed elementwise (a loss scaler's unscaled
+    # gradient, a float32 cast) is sliced from its source and recomputed per slice, so
+    # that it is not written out whole for the loop to read.
+    other_values: list[Any] = []
+    other_functions: list[Callable[[Any], Any] | None] = []
+    for v in others:
+        value = values[v] if v in program.constants else flat[program.invars.index(v)]
+        origin = None if v in program.constants else elementwise_origin(value)
+        other_values.append(value if origin is None else origin[0])
+        other_functions.append(None if origin is None else origin[1])
     wanted = [outvars[count + i] for i in state_outputs]
     rows, row_length = layout.rows, layout.row_length
     # Only a block format needs a loop: its scales are maxima over blocks, which XLA
@@ -309,8 +317,8 @@ def _run_component(
 
     def run(iterations: int) -> list[list[Any]]:
         carry = _loop(
-            program, component, wanted, carried, sources, others, other_values, values,
-            rows, row_length, iterations,
+            program, component, wanted, carried, sources, others, other_values,
+            other_functions, values, rows, row_length, iterations,
         )  # fmt: skip
         return [
             [a.reshape(np.shape(like)) for a, like in zip(new, old, strict=True)]
@@ -337,6 +345,7 @@ def _loop(
     sources: dict[Any, int],
     others: list[Any],
     other_values: list[Any],
+    other_functions: list[Callable[[Any], Any] | None],
     values: dict[Any, Any],
     rows: int,
     row_length: int,
@@ -351,14 +360,22 @@ def _loop(
         return array.reshape(group, iterations, -1)
 
     carry = [[as_rows(a) for a in arrays] for _, arrays in carried]
-    other_rows = [as_rows(v) for v in other_values]
+    other_dtypes = [jnp.result_type(v) for v in other_values]
+    other_rows = [as_rows(_as_bits(v)) for v in other_values]
 
     def body(step: Any, carry: list[list[Any]]) -> list[list[Any]]:
         def piece(array: Any) -> Any:
             start = (0, step, 0)
             return lax.dynamic_slice(array, start, (array.shape[0], 1, array.shape[2]))[:, 0]
 
-        arrays = {v: piece(a) for v, a in zip(others, other_rows, strict=True)}
+        arrays = {
+            v: _from_bits(piece(a), dtype)
+            if function is None
+            else function(_from_bits(piece(a), dtype))
+            for v, a, function, dtype in zip(
+                others, other_rows, other_functions, other_dtypes, strict=True
+            )
+        }
         for var, position in sources.items():
             slot, _ = carried[position]
             arrays[var] = slot.read_rows([piece(a) for a in carry[position]])
@@ -386,6 +403,21 @@ def _loop(
     if skip is None:
         return carry
     return [[skip_applied(a) for a in arrays] for arrays in carry]
+
+
+def _as_bits(array: Any) -> Any:
+    """A half-precision or float8 array as unsigned integers of its width: XLA's CPU
+    backend slices such an array inside a loop by converting all of it to float32 first
+    (written whole, outside the loop), and slices integers as they are."""
+    dtype = jnp.result_type(array)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize > 2:
+        return array
+    return lax.bitcast_convert_type(array, jnp.uint16 if dtype.itemsize == 2 else jnp.uint8)
+
+
+def _from_bits(piece: Any, dtype: Any) -> Any:
+    """A slice of :func:`_as_bits`'s array in ``dtype`` again."""
+    return piece if piece.dtype == dtype else lax.bitcast_convert_type(piece, dtype)
 
 
 def _same_layout(program: ElementwiseProgram, wide: list[Any], count: int) -> bool:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxscale._src.deferred import derived_elementwise
 from jaxscale.optim._wrapping import (
     PARAMETER_WRITERS,
     floating_dtype,
@@ -119,9 +120,10 @@ def master_weights(
         grads = map_with_optional(
             lambda m, g: g if m is None else g.astype(master_dtype), state.masters, updates
         )
-        inner_updates, inner_state = inner.update(
-            grads, state.inner_state, _with_masters(state.masters, params), **extra_args
-        )
+        with derived_elementwise(grads, updates, lambda g: g.astype(master_dtype)):
+            inner_updates, inner_state = inner.update(
+                grads, state.inner_state, _with_masters(state.masters, params), **extra_args
+            )
         masters = map_with_optional(
             lambda m, u: None if m is None else m + u.astype(master_dtype),
             state.masters,

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxscale._src import validation
+from jaxscale._src.deferred import derived_elementwise
 from jaxscale._src.leaves import noted_on_failure, optax_params_mismatch
 from jaxscale.core import (
     AxisName,
@@ -193,8 +194,11 @@ def grad_scaler(
         inv_scale = inverse_scale(state.scaler.scale)
 
         def inner_update(grads: optax.Updates, inner_state: Any) -> tuple[optax.Updates, Any]:
-            # unscaling here, inside the skip, fuses it into inner's own pass
-            return inner.update(unscale(grads, inv_scale), inner_state, params, **extra_args)
+            # unscaling here, inside the skip, fuses it into inner's own pass (or into
+            # each slice of a state updated in place)
+            unscaled = unscale(grads, inv_scale)
+            with derived_elementwise(unscaled, grads, lambda g: unscale(g, inv_scale)):
+                return inner.update(unscaled, inner_state, params, **extra_args)
 
         # A skipped step emits -0.0 updates and keeps the inner state exactly as it was.
         with noted_on_failure(mismatch), _state_of_other_parameters_named():
