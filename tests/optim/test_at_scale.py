@@ -237,18 +237,18 @@ def test_master_weights_casts_in_slices_what_it_casts_whole(monkeypatch):
 
 
 def test_a_value_derived_from_a_derived_value_goes_back_to_the_first_source():
-    source = jnp.arange(6.0)
-    halved = source / 2
-    cast = halved.astype(jnp.bfloat16)
+    source = jnp.linspace(0.0, 1.0, 64)
+    shifted = source + 1 / 3
+    cast = shifted.astype(jnp.bfloat16)  # not the same as shifting the cast
     assert elementwise_origin(cast) is None
     with (
-        derived_elementwise({"a": halved}, {"a": source}, lambda x: x / 2),
-        derived_elementwise([cast], [halved], lambda x: x.astype(jnp.bfloat16)),
+        derived_elementwise({"a": shifted}, {"a": source}, lambda x: x + 1 / 3),
+        derived_elementwise([cast], [shifted], lambda x: x.astype(jnp.bfloat16)),
     ):
         origin, function = elementwise_origin(cast)
         assert origin is source
-        np.testing.assert_array_equal(function(source[2:4]), cast[2:4])
-        assert elementwise_origin(halved / 2) is None  # an equal value, not the same
+        np.testing.assert_array_equal(function(source[8:40]), cast[8:40])
+        assert elementwise_origin(shifted + 0) is None  # an equal value, not the same
     assert elementwise_origin(cast) is None  # known only inside the blocks
 
 
