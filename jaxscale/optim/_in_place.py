@@ -410,8 +410,8 @@ def _as_bits(array: Any) -> Any:
     backend slices such an array inside a loop by converting all of it to float32 first
     (written whole, outside the loop), and slices integers as they are."""
     dtype = jnp.result_type(array)
-    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize > 2:
-        return array
+    if not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).bits not in (8, 16):
+        return array  # (a 4-bit type has no integer of its width)
     return lax.bitcast_convert_type(array, jnp.uint16 if dtype.itemsize == 2 else jnp.uint8)
 
 
