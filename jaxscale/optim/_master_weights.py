@@ -117,10 +117,14 @@ def master_weights(
     ) -> tuple[optax.Updates, MasterWeightsState]:
         require_params(params, "master_weights")
         _require_masters_of_narrow_parameters(state.masters, params, master_dtype)
+
+        def widened(grad: Any) -> Any:
+            return grad.astype(master_dtype)
+
         grads = map_with_optional(
-            lambda m, g: g if m is None else g.astype(master_dtype), state.masters, updates
+            lambda m, g: g if m is None else widened(g), state.masters, updates
         )
-        with derived_elementwise(grads, updates, lambda g: g.astype(master_dtype)):
+        with derived_elementwise(grads, updates, widened):
             inner_updates, inner_state = inner.update(
                 grads, state.inner_state, _with_masters(state.masters, params), **extra_args
             )

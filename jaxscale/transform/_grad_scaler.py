@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -196,8 +197,9 @@ def grad_scaler(
         def inner_update(grads: optax.Updates, inner_state: Any) -> tuple[optax.Updates, Any]:
             # unscaling here, inside the skip, fuses it into inner's own pass (or into
             # each slice of a state updated in place)
-            unscaled = unscale(grads, inv_scale)
-            with derived_elementwise(unscaled, grads, lambda g: unscale(g, inv_scale)):
+            unscaled_of = functools.partial(unscale, inv_scale=inv_scale)
+            unscaled = unscaled_of(grads)
+            with derived_elementwise(unscaled, grads, unscaled_of):
                 return inner.update(unscaled, inner_state, params, **extra_args)
 
         # A skipped step emits -0.0 updates and keeps the inner state exactly as it was.
