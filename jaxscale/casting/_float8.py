@@ -16,7 +16,7 @@ torchao's current (dynamic) scaling, ``hp_tensor_to_float8_dynamic``:
 * ``data = float8(clamp(float32(x) * scale, -fmax, fmax))``.
 
 XLA's float32 division is correctly rounded on the CPU but not on every GPU, so
-the quotient is computed by long division in integers, as
+the quotient's float estimate is corrected in integers, as
 :func:`jaxscale.core.correctly_rounded_reciprocal` does for ``1 / scale``; JAX's
 ``log2`` and ``exp2`` are not correctly rounded on the CPU (``log2(2**13)`` gives
 12.999999), so the power of two is read from the bits.
@@ -34,6 +34,7 @@ import numpy as np
 from jax import lax
 
 from jaxscale.casting._stochastic_float8 import stochastic_to_float8
+from jaxscale.core import _scaling
 
 EPS = 1e-12
 FLOAT8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
@@ -143,9 +144,17 @@ def divide_correctly_rounded(numerator: float, x: jax.Array) -> jax.Array:
     """``numerator / x`` correctly rounded to float32, for a constant ``numerator`` whose
     significand fits 24 bits and a float32 ``x`` whose quotient is a normal float32.
 
-    The significands are divided in uint32 (26 quotient bits, the remainder deciding
-    the rounding) and the exponents subtracted. ``x`` zero, subnormal, infinite or NaN
-    falls back to the float division.
+    The significands' quotient ``n·2^25 / d`` (26 bits, in ``[2^24, 2^26)``) is
+    estimated by the float division, which a GPU gets to within an ulp or two, and
+    corrected in integers: its remainder is exact in 32-bit arithmetic (which wraps
+    modulo 2^32) while the estimate is within 64 of it, the remainder's ratio to ``d``
+    moves the estimate to within one, and a last exact step makes it the floor, so
+    that the remainder left decides the rounding. The exponents are subtracted. ``x``
+    zero, subnormal, infinite or NaN falls back to the float division.
+
+    A dozen integer operations rather than a 26-step long division: the scale is
+    computed for every float8 cast, and LLVM's loop vectorizer (in XLA 0.12's CPU
+    compiler) takes time exponential in the length of such a chain of selects.
     """
     mantissa, exponent = math.frexp(numerator)  # numerator = mantissa * 2**exponent
     n = int(mantissa * 2**24)  # numerator = n * 2**(exponent - 24), n in [2**23, 2**24)
@@ -154,14 +163,22 @@ def divide_correctly_rounded(numerator: float, x: jax.Array) -> jax.Array:
     bits = lax.bitcast_convert_type(x, jnp.uint32)
     x_exponent = ((bits >> 23) & 0xFF).astype(jnp.int32)
     d = (bits & 0x7FFFFF) | 0x800000
-    remainder = jnp.full_like(d, n)
-    quotient = jnp.zeros_like(d)
-    for step in range(26):  # quotient = floor(n * 2**25 / d), remainder = the rest
-        if step:
-            remainder = remainder << 1
-        fits = remainder >= d
-        remainder = jnp.where(fits, remainder - d, remainder)
-        quotient = (quotient << 1) | fits.astype(jnp.uint32)
+    divisor = d.astype(jnp.float32)
+    # quotient = floor(n * 2**25 / d), remainder = the rest, in [0, d)
+    estimate = _scaling._float_quotient(jnp.float32(n * 2.0**25), divisor)
+    quotient = estimate.astype(jnp.uint32)  # an integer: the estimate is at least 2**24
+    dividend = jnp.uint32((n << 25) & 0xFFFFFFFF)
+    remainder = lax.bitcast_convert_type(dividend - quotient * d, jnp.int32)
+    steps = _scaling._float_quotient(remainder.astype(jnp.float32), divisor)
+    steps = jnp.clip(jnp.round(steps), -64, 64).astype(jnp.int32)
+    signed_d = d.astype(jnp.int32)
+    remainder = remainder - steps * signed_d
+    below, above = remainder < 0, remainder >= signed_d
+    remainder = remainder + jnp.where(below, signed_d, 0) - jnp.where(above, signed_d, 0)
+    steps = steps - below.astype(jnp.int32) + above.astype(jnp.int32)
+    quotient = lax.bitcast_convert_type(
+        lax.bitcast_convert_type(quotient, jnp.int32) + steps, jnp.uint32
+    )
     whole = (quotient >> 25) == 1  # n >= d: n / d in [1, 2), else in (0.5, 1)
     kept = jnp.where(whole, quotient >> 2, quotient >> 1)
     guard = jnp.where(whole, (quotient >> 1) & 1, quotient & 1)
