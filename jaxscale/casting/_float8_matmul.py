@@ -239,8 +239,8 @@ def _mm(a: jax.Array, b: jax.Array, cast_a: Cast | None, cast_b: Cast | None, re
         a8, scale_a = _quantized(a, cast_a, 1, recipe.power_of_2, key_a)  # along K
         b8, scale_b = _quantized(b, cast_b, 0, recipe.power_of_2, key_b)  # along K
         # An identity that keeps XLA from fusing both operands' quantization (the scales'
-        # integer long division) into the matmul: with rowwise scales, XLA 0.12 on the
-        # CPU then compiles one small matmul's gradient for minutes.
+        # integer arithmetic) into the matmul: with rowwise scales computed by a long
+        # division, XLA 0.12 on the CPU compiled one small matmul's gradient for minutes.
         a8, b8, scale_a, scale_b = lax.optimization_barrier((a8, b8, scale_a, scale_b))
         product = lax.dot_general(
             a8, b8, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
