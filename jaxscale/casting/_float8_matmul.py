@@ -36,6 +36,7 @@ from jaxscale._src.jaxprs import dot_dimension_numbers
 from jaxscale._src.scopes import FLOAT8_MATMUL
 from jaxscale.casting._float8 import quantize_float8
 from jaxscale.casting._mx import dequantize_mx, quantize_mx
+from jaxscale.casting._mx_gather import dequantize_whole
 from jaxscale.casting._nvfp4_matmul import (
     NVFP4_RECIPES,
     NVFP4Recipe,
@@ -145,6 +146,14 @@ class MXRecipe:
       stochastic_gradients: round the output gradient's scaled values to float8
         stochastically in both backward matmuls, from ``autocast``'s ``key``; off by
         default, as torchao rounds to nearest.
+      all_gather_in_mx: make the weight whole on every device as MX before it is
+        dequantized, for its forward and input-gradient matmuls, so that a sharded
+        weight's all-gather (FSDP's) moves float8 data and E8M0 scales, about half
+        of bfloat16's bytes, where XLA otherwise gathers the dequantized weight. The
+        weight is then whole on every device whatever its sharding: for FSDP, not for
+        a weight split for tensor parallelism. A program compiled for several devices
+        with it cannot be serialized by ``jax.export`` (the partitioning is a Python
+        callback). Off by default.
     """
 
     name: str
@@ -152,6 +161,7 @@ class MXRecipe:
     wgrad_with_hp: bool = False
     block_size: int = 32
     stochastic_gradients: bool = False
+    all_gather_in_mx: bool = False
 
 
 MX_RECIPES: dict[str, MXRecipe] = {
@@ -292,12 +302,15 @@ def float8_linear(x: jax.Array, w_t: jax.Array, recipe: Float8Recipe, out_dtype:
 
 
 def _mx_seen(value: jax.Array, axis: int, recipe: MXRecipe, out_dtype: Any,
-             key: jax.Array | None = None) -> jax.Array:  # fmt: skip
-    """``value`` quantized to MXFP8 in blocks along ``axis`` and dequantized."""
+             key: jax.Array | None = None, *, weight: bool = False) -> jax.Array:  # fmt: skip
+    """``value`` quantized to MXFP8 in blocks along ``axis`` and dequantized; a
+    ``weight`` made whole as MX first where the recipe says so."""
     data, scale = quantize_mx(
         value.astype(jnp.float32) if value.dtype != jnp.bfloat16 else value,
         block_size=recipe.block_size, axis=axis, scale_mode=recipe.scale_mode, key=key,
     )  # fmt: skip
+    if weight and recipe.all_gather_in_mx:
+        return dequantize_whole(data, scale, out_dtype, axis)
     return dequantize_mx(data, scale, out_dtype, axis=axis)
 
 
@@ -313,8 +326,9 @@ def mx_linear(x: jax.Array, w_t: jax.Array, recipe: MXRecipe, out_dtype: Any,
     if not recipe.stochastic_gradients:
         key = None
 
-    def mx(value: jax.Array, axis: int, key: jax.Array | None = None) -> jax.Array:
-        return _mx_seen(value, axis, recipe, out_dtype, key)
+    def mx(value: jax.Array, axis: int, key: jax.Array | None = None,
+           weight: bool = False) -> jax.Array:  # fmt: skip
+        return _mx_seen(value, axis, recipe, out_dtype, key, weight=weight)
 
     def mm(a: jax.Array, b: jax.Array) -> jax.Array:
         return lax.dot_general(
@@ -323,7 +337,7 @@ def mx_linear(x: jax.Array, w_t: jax.Array, recipe: MXRecipe, out_dtype: Any,
 
     @jax.custom_vjp
     def matmul(x: jax.Array, w_t: jax.Array, key: Any) -> jax.Array:
-        return mm(mx(x, 1), mx(w_t, 0))  # both along K
+        return mm(mx(x, 1), mx(w_t, 0, weight=True))  # both along K
 
     def forward(x: jax.Array, w_t: jax.Array, key: Any) -> tuple[jax.Array, Any]:
         return matmul(x, w_t, key), (x, w_t, key)  # high precision kept, as torchao keeps it
@@ -332,7 +346,7 @@ def mx_linear(x: jax.Array, w_t: jax.Array, recipe: MXRecipe, out_dtype: Any,
         x, w_t, key = saved
         grad = grad.astype(out_dtype)
         dgrad_key, wgrad_key = _gradient_keys(key)
-        grad_x = mm(mx(grad, 1, dgrad_key), mx(w_t, 1).T)  # along N
+        grad_x = mm(mx(grad, 1, dgrad_key), mx(w_t, 1, weight=True).T)  # along N
         if recipe.wgrad_with_hp:
             grad_w_t = mm(x.astype(out_dtype).T, grad)
         else:

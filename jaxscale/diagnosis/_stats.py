@@ -44,7 +44,7 @@ FLOAT8_CAST = "cast_to_float8"
 # values a matmul of an MX recipe multiplies (in bfloat16 or float32, so the matmul's own
 # dtypes do not show the MX format: the figures travel from the one call to the other).
 MX_QUANTIZE = "quantize_to_mx_blocks"
-MX_DEQUANTIZE = "dequantize_mx_blocks"
+MX_DEQUANTIZE = ("dequantize_mx_blocks", "dequantize_mx_whole")  # the second: all_gather_in_mx
 # Operations after a float8 cast that keep its figures with the data (the float8 matmul
 # puts its operands through an optimization barrier; a hand-written one may reshape them).
 _KEEPS_CAST = ("optimization_barrier", "reshape", "transpose", "squeeze", "expand_dims", "copy")
@@ -135,7 +135,7 @@ class StatsCollector(CarryingEvaluator):
         if name == "jit" and call_name(eqn) == MX_QUANTIZE:
             element = np.dtype(outvals[0].dtype).name
             return [{**_cast_figures(invals[0], outvals[0]), "format": f"mx {element}"}, None]
-        if name == "jit" and call_name(eqn) == MX_DEQUANTIZE:
+        if name == "jit" and call_name(eqn) in MX_DEQUANTIZE:
             return [in_infos[0]]  # the dequantized values are in the input's units
         if name == "convert_element_type" and is_float8(outvals[0].dtype):
             if not is_float8(invals[0].dtype):

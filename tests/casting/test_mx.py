@@ -1,13 +1,8 @@
 """MXFP8 without PyTorch: ``quantize_mx``'s contract and errors, which matmuls the recipes
-take, the CUDA lowering, and which dtype a sharded weight's all-gather carries."""
+take, and the CUDA lowering (what a sharded weight's all-gather carries:
+``test_mx_gather.py``)."""
 
 from __future__ import annotations
-
-import json
-import pathlib
-import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -76,58 +71,6 @@ def test_an_mx_train_step_lowers_for_cuda_without_host_synchronisation(recipe):
     assert report.loops == 0
     # the operands are dequantized to bfloat16 and multiplied there (torchao's emulation)
     assert report.matmul_dtypes == {"bf16 x bf16 -> bf16": 3}
-
-
-# -- sharded weights: which dtype the all-gather carries ----------------------------------------
-
-_SHARDED_STEP = """
-import json, os, pathlib, re, sys
-os.environ["XLA_FLAGS"] = (
-    "--xla_force_host_platform_device_count=8 --xla_dump_to={dump} "
-    "--xla_dump_hlo_pass_re=spmd-partitioning"
-)
-import jax, jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
-import jaxscale
-
-mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-def loss(w, x):
-    return jnp.mean((x @ w.T).astype(jnp.float32) ** 2)
-w = jax.device_put(jnp.ones((128, 64)), NamedSharding(mesh, P("fsdp")))
-x = jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P("fsdp")))
-step = jax.jit(jax.grad(jaxscale.autocast(loss, dtype=jnp.bfloat16, float8={recipe!r})))
-step.lower(w, x).compile()
-found = []
-for path in pathlib.Path({dump!r}).glob("*after_spmd-partitioning*"):
-    found += re.findall(r"(\\w+)\\[[0-9,]*\\]{{[0-9,]*}} all-gather\\(", path.read_text())
-print(json.dumps(sorted(found)))
-"""
-
-
-def gathered_dtypes(recipe: str, dump: pathlib.Path) -> list[str]:
-    """The element types of the all-gathers XLA's SPMD partitioner writes for an FSDP
-    step (the weight sharded by rows over 8 devices): read from the partitioned HLO,
-    before XLA:CPU widens float8 collectives to float16 (a GPU does not)."""
-    script = _SHARDED_STEP.format(dump=str(dump), recipe=recipe)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.splitlines()[-1])
-
-
-def test_a_sharded_weight_is_gathered_in_float8_under_tensorwise(tmp_path):
-    # each shard is quantized with the all-reduced amax, and the gather moves float8
-    assert gathered_dtypes("tensorwise", tmp_path / "tensorwise") == ["f8e4m3fn", "f8e4m3fn"]
-
-
-def test_a_sharded_weight_is_gathered_dequantized_under_mxfp8(tmp_path):
-    # MX blocks run along the unsharded axis, so each shard quantizes alone; the
-    # emulation then multiplies dequantized bfloat16 operands, and XLA gathers those
-    assert gathered_dtypes("mxfp8", tmp_path / "mxfp8") == ["bf16", "bf16"]
-
-
-def test_the_gather_pattern_reads_dumped_hlo():
-    line = "%ag = f8e4m3fn[64,64]{1,0} all-gather(%x), replica_groups={{0,1}}"
-    assert re.findall(r"(\w+)\[[0-9,]*\]{[0-9,]*} all-gather\(", line) == ["f8e4m3fn"]
 
 
 def test_a_weight_closed_over_by_a_jitted_function_is_quantized_as_an_argument_is():

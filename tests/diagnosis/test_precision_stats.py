@@ -251,11 +251,37 @@ def test_autocast_mx_recipes_show_their_mx_operands_and_what_their_blocks_lost(r
 
 
 def test_quantize_mx_and_dequantize_mx_work_in_calls_named_for_precision_stats():
+    from jaxscale.casting._mx_gather import dequantize_whole
     from jaxscale.diagnosis._stats import MX_DEQUANTIZE, MX_QUANTIZE
 
     jaxpr = jax.make_jaxpr(lambda x: jaxscale.dequantize_mx(*jaxscale.quantize_mx(x)))(jnp.ones(32))
     names = [e.params["name"] for e in jaxpr.eqns if e.primitive.name == "jit"]
-    assert names == [MX_QUANTIZE, MX_DEQUANTIZE]
+    assert names == [MX_QUANTIZE, "dequantize_mx_blocks"]
+    # a weight made whole as MX before it is dequantized (MXRecipe's all_gather_in_mx)
+    whole = jax.make_jaxpr(
+        lambda x: dequantize_whole(*jaxscale.quantize_mx(x, axis=0), jnp.bfloat16, 0)
+    )(jnp.ones((32, 4)))
+    names = [e.params["name"] for e in whole.eqns if e.primitive.name == "jit"]
+    assert names == [MX_QUANTIZE, "dequantize_mx_whole"]
+    assert set(MX_DEQUANTIZE) == {"dequantize_mx_blocks", "dequantize_mx_whole"}
+
+
+@pytest.mark.parametrize("all_gather_in_mx", [False, True])
+def test_an_mx_weight_gathered_as_mx_is_reported_as_mx(all_gather_in_mx):
+    recipe = jaxscale.casting.MXRecipe("mxfp8", all_gather_in_mx=all_gather_in_mx)
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w.T).astype(F32))
+
+    w, x = (
+        jax.random.normal(jax.random.key(0), (96, 64)),
+        jax.random.normal(jax.random.key(1), (32, 64)),
+    )
+    _, stats = jaxscale.precision_stats(
+        jax.grad(jaxscale.autocast(loss, dtype=jnp.bfloat16, float8=recipe))
+    )(w, x)
+    formats = [key.split("(")[1].split(")")[0] for key in stats]
+    assert formats == ["mx float8_e4m3fn @ mx float8_e4m3fn"] * 3
 
 
 def test_a_float8_argument_has_no_cast_to_report():
