@@ -277,8 +277,10 @@ def test_an_mx_weight_gathered_as_mx_is_reported_as_mx(all_gather_in_mx):
         jax.random.normal(jax.random.key(0), (96, 64)),
         jax.random.normal(jax.random.key(1), (32, 64)),
     )
-    _, stats = jaxscale.precision_stats(
-        jax.grad(jaxscale.autocast(loss, dtype=jnp.bfloat16, float8=recipe))
+    _, stats = jax.jit(
+        jaxscale.precision_stats(
+            jax.grad(jaxscale.autocast(loss, dtype=jnp.bfloat16, float8=recipe))
+        )
     )(w, x)
     formats = [key.split("(")[1].split(")")[0] for key in stats]
     assert formats == ["mx float8_e4m3fn @ mx float8_e4m3fn"] * 3
