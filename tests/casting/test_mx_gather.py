@@ -217,7 +217,7 @@ def test_under_vmap_the_weight_is_dequantized_as_without_the_option():
 
     def batched(recipe):
         layer = jaxscale.autocast(lambda w, x: x @ w.T, dtype=BF16, float8=recipe)
-        grads = jax.grad(jaxscale.autocast(fsdp_loss, dtype=BF16, float8=recipe))
+        grads = jax.grad(jaxscale.autocast(fsdp_loss, dtype=BF16, float8=recipe), argnums=(0, 1))
         return jax.vmap(layer)(w, x), jax.vmap(grads)(w, x)
 
     for plain, gathered in zip(
