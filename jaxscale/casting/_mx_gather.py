@@ -10,9 +10,9 @@ moves a gather ahead of a quantization only for a single scalar scale.
 operation: whatever the shardings of its operands, its result is whole on every
 device, and its operands are made whole first, so the gather carries the float8 data
 and the E8M0 scales; each device then dequantizes the whole weight, the same
-operations on the same values as on one device. A block that a shard boundary cuts is
-whole before it is quantized: XLA reshards the high-precision values the quantization
-reads, as it does without this operation.
+operations on the same values as on one device. Where a shard boundary cuts a block,
+each device reduces its part of the block and XLA all-reduces one float32 per block for
+its maximum: the quantized values are the same, and no high-precision value moves.
 
 The partitioning rule is a Python function that XLA's partitioner calls while it
 compiles a program for several devices. Such a program cannot be serialized with
