@@ -101,10 +101,9 @@ def _partition(dtype: np.dtype, axis: int, mesh: Any, arg_shapes: Any, result_sh
 
 
 # The factors of the data, the scales and the result are unrelated: no sharding passes
-# through the operation, in either direction, and the result is whole.
-# The operands' shardings are read as XLA's own (not decoded into a mesh's partition
-# specs, which cannot express every tiling the partitioner gives the scales): only
-# their devices matter here.
+# through the operation, in either direction, and the result is whole. The operands'
+# shardings are left as XLA's own, not decoded into partition specs (which cannot express
+# every tiling the partitioner gives the scales): the rule reads only the mesh.
 _partitioned.def_partition(
     partition=_partition,
     infer_sharding_from_operands=_infer,
