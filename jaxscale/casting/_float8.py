@@ -146,10 +146,9 @@ def divide_correctly_rounded(numerator: float, x: jax.Array) -> jax.Array:
 
     The significands' quotient ``n·2^25 / d`` (26 bits, in ``[2^24, 2^26)``) is
     estimated by the float division, which a GPU gets to within an ulp or two, and
-    corrected in integers: its remainder is exact in 32-bit arithmetic (which wraps
-    modulo 2^32) while the estimate is within 64 of it, the remainder's ratio to ``d``
-    moves the estimate to within one, and a last exact step makes it the floor, so
-    that the remainder left decides the rounding. The exponents are subtracted. ``x``
+    corrected in integers to within one, as the loss scale's reciprocal is
+    (:func:`jaxscale.core._scaling.quotient_within_one`); a last exact step makes it
+    the floor, so that the remainder left decides the rounding. The exponents are subtracted. ``x``
     zero, subnormal, infinite or NaN falls back to the float division.
 
     A dozen integer operations rather than a 26-step long division: the scale is
@@ -163,22 +162,13 @@ def divide_correctly_rounded(numerator: float, x: jax.Array) -> jax.Array:
     bits = lax.bitcast_convert_type(x, jnp.uint32)
     x_exponent = ((bits >> 23) & 0xFF).astype(jnp.int32)
     d = (bits & 0x7FFFFF) | 0x800000
-    divisor = d.astype(jnp.float32)
     # quotient = floor(n * 2**25 / d), remainder = the rest, in [0, d)
-    estimate = _scaling._float_quotient(jnp.float32(n * 2.0**25), divisor)
-    quotient = estimate.astype(jnp.uint32)  # an integer: the estimate is at least 2**24
-    dividend = jnp.uint32((n << 25) & 0xFFFFFFFF)
-    remainder = lax.bitcast_convert_type(dividend - quotient * d, jnp.int32)
-    steps = _scaling._float_quotient(remainder.astype(jnp.float32), divisor)
-    steps = jnp.clip(jnp.round(steps), -64, 64).astype(jnp.int32)
+    quotient, remainder = _scaling.quotient_within_one(n << 25, d)
     signed_d = d.astype(jnp.int32)
-    remainder = remainder - steps * signed_d
     below, above = remainder < 0, remainder >= signed_d
     remainder = remainder + jnp.where(below, signed_d, 0) - jnp.where(above, signed_d, 0)
-    steps = steps - below.astype(jnp.int32) + above.astype(jnp.int32)
-    quotient = lax.bitcast_convert_type(
-        lax.bitcast_convert_type(quotient, jnp.int32) + steps, jnp.uint32
-    )
+    quotient = quotient - below.astype(jnp.int32) + above.astype(jnp.int32)
+    quotient = lax.bitcast_convert_type(quotient, jnp.uint32)
     whole = (quotient >> 25) == 1  # n >= d: n / d in [1, 2), else in (0.5, 1)
     kept = jnp.where(whole, quotient >> 2, quotient >> 1)
     guard = jnp.where(whole, (quotient >> 1) & 1, quotient & 1)

@@ -189,25 +189,37 @@ def _float_quotient(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     return numerator / denominator
 
 
-def _nearest_quotient(significand: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(q, r)``: ``q`` the integer nearest to ``2**47 / significand`` and
-    ``r = 2**47 - q * significand``, for a uint32 ``significand`` in ``[2**23, 2**24)``.
+def quotient_within_one(dividend: int, significand: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(q, r)``, int32: ``q`` within one of ``dividend / significand`` and
+    ``r = dividend - q * significand`` exactly, for a uint32 ``significand`` in
+    ``[2**23, 2**24)`` and an integer ``dividend`` exact in float32 whose quotient is
+    at least ``2**23`` and below ``2**31``.
 
-    The float division estimates it to within a few ulps (an integer-valued float
-    in ``[2**23, 2**24]``). The remainder of an estimate within 64 of the quotient is
-    below 2**31 in magnitude, so uint32 arithmetic, which wraps modulo 2**32 (where
-    2**47 is 0), gives it exactly. The remainder's ratio to the divisor, rounded,
-    corrects the estimate to within one; a last exact step makes it the nearest (a
-    quotient is never halfway between two integers: 2**48 has no odd divisor).
+    The float division estimates the quotient to within a few ulps (an integer-valued
+    float, as the quotient is at least 2**23). The remainder of an estimate within 64
+    of the quotient is below 2**31 in magnitude, so uint32 arithmetic, which wraps
+    modulo 2**32, gives it exactly from the dividend's low 32 bits. The remainder's
+    ratio to the divisor, rounded, then moves the estimate to within one; the caller's
+    last exact step rounds it as it needs (nearest, or down).
     """
     divisor = significand.astype(jnp.float32)
-    estimate = _float_quotient(jnp.float32(2.0**47), divisor).astype(jnp.uint32)
-    remainder = lax.bitcast_convert_type(jnp.uint32(0) - estimate * significand, jnp.int32)
+    estimate = _float_quotient(jnp.float32(dividend), divisor).astype(jnp.uint32)
+    low_bits = jnp.uint32(dividend & 0xFFFFFFFF)
+    remainder = lax.bitcast_convert_type(low_bits - estimate * significand, jnp.int32)
     steps = _float_quotient(remainder.astype(jnp.float32), divisor)
     steps = jnp.clip(jnp.round(steps), -64, 64).astype(jnp.int32)
-    divisor = significand.astype(jnp.int32)
     quotient = estimate.astype(jnp.int32) + steps
-    remainder = remainder - steps * divisor
+    return quotient, remainder - steps * significand.astype(jnp.int32)
+
+
+def _nearest_quotient(significand: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(q, r)``: ``q`` the integer nearest to ``2**47 / significand`` and
+    ``r = 2**47 - q * significand``, for a uint32 ``significand`` in ``[2**23, 2**24)``:
+    :func:`quotient_within_one`, then a last exact step to the nearest (a quotient is
+    never halfway between two integers: 2**48 has no odd divisor).
+    """
+    quotient, remainder = quotient_within_one(1 << 47, significand)
+    divisor = significand.astype(jnp.int32)
     up = 2 * remainder > divisor
     down = 2 * remainder < -divisor
     quotient = quotient + up.astype(jnp.int32) - down.astype(jnp.int32)
