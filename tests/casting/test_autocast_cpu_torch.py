@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from jax import lax
 from support import decompositions, machine, third_party
 from support.decompositions import spd
@@ -260,8 +261,8 @@ def test_jnp_reductions_of_half_precision_inputs_keep_the_cast_back_jnp_writes()
 def test_a_transformer_under_the_cpu_policy_agrees_with_torchs_cpu_autocast(char_lm):
     model, twin, x, _ = small_twins(char_lm)
     with third_party.standard_promotion():
-        cpu_logits = jaxscale.autocast(model, device_type="cpu")(x)
-        cuda_logits = jaxscale.autocast(model, dtype=jnp.bfloat16)(x)
+        cpu_logits = nnx.jit(lambda m, x: jaxscale.autocast(m, device_type="cpu")(x))(model, x)
+        cuda_logits = nnx.jit(lambda m, x: jaxscale.autocast(m, dtype=jnp.bfloat16)(x))(model, x)
     assert cpu_logits.dtype == cuda_logits.dtype == jnp.bfloat16
     on_cpu_lists, on_cuda_lists = (np.asarray(v, np.float32) for v in (cpu_logits, cuda_logits))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):

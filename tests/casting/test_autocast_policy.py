@@ -182,8 +182,8 @@ def test_output_dtype_is_pytorchs_cuda_autocast_dtype(op, fn, inputs, expected, 
     if activations:
         fn = on_activations(fn, inputs)
     with third_party.standard_promotion():  # user code: JAX's default promotion
-        out = jaxscale.autocast(fn)(*inputs)
-        plain = fn(*inputs)
+        out = jax.jit(jaxscale.autocast(fn))(*inputs)
+        plain = jax.jit(fn)(*inputs)
     assert _dtype_of(out) == expected, op
     # and the value is the function's own, to float16 accuracy
     reference = np.asarray(_dtype_of_leaf(plain), np.float64)

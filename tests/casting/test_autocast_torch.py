@@ -26,10 +26,10 @@ def test_same_transformer_under_both_autocasts_agrees_to_float16_accuracy(char_l
     model, twin, x, y = small_twins(char_lm)
 
     with third_party.standard_promotion():
-        logits32 = np.asarray(model(x))
-        logits16 = np.asarray(jaxscale.autocast(model)(x), np.float32)
-        loss16 = float(jaxscale.autocast(char_lm.loss_fn)(model, x, y))
-        loss32 = float(char_lm.loss_fn(model, x, y))
+        logits32 = np.asarray(nnx.jit(lambda m, x: m(x))(model, x))
+        logits16 = np.asarray(nnx.jit(lambda m, x: jaxscale.autocast(m)(x))(model, x), np.float32)
+        loss16 = float(nnx.jit(jaxscale.autocast(char_lm.loss_fn))(model, x, y))
+        loss32 = float(nnx.jit(char_lm.loss_fn)(model, x, y))
     tokens = torch.from_numpy(np.array(x)).long()
     with torch.no_grad():
         torch32 = twin(tokens).numpy()
