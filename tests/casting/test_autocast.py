@@ -104,11 +104,15 @@ def test_every_matmul_inside_runs_in_float16_forward_and_backward(name):
     assert all_in("float16", matmul_dtypes(backward)), matmul_dtypes(backward)
     # the same values as without autocast, to float16 accuracy
     np.testing.assert_allclose(
-        np.asarray(jaxscale.autocast(fn)(W, X), np.float32), fn(W, X), rtol=2e-2, atol=2e-2
+        np.asarray(jax.jit(jaxscale.autocast(fn))(W, X), np.float32),
+        jax.jit(fn)(W, X),
+        rtol=2e-2,
+        atol=2e-2,
     )
-    grad = jax.grad(jaxscale.autocast(loss_of(fn)))(W, X)
+    grad = jax.jit(jax.grad(jaxscale.autocast(loss_of(fn))))(W, X)
     assert grad.dtype == F32  # the parameter's dtype
-    np.testing.assert_allclose(grad, jax.grad(loss_of(fn))(W, X), rtol=5e-2, atol=5e-2)
+    expected = jax.jit(jax.grad(loss_of(fn)))(W, X)
+    np.testing.assert_allclose(grad, expected, rtol=5e-2, atol=5e-2)
 
 
 def test_while_loop_with_a_dynamic_trip_count():
