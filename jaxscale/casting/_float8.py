@@ -148,8 +148,8 @@ def divide_correctly_rounded(numerator: float, x: jax.Array) -> jax.Array:
     estimated by the float division, which a GPU gets to within an ulp or two, and
     corrected in integers to within one, as the loss scale's reciprocal is
     (:func:`jaxscale.core._scaling.quotient_within_one`); a last exact step makes it
-    the floor, so that the remainder left decides the rounding. The exponents are subtracted. ``x``
-    zero, subnormal, infinite or NaN falls back to the float division.
+    the floor, so that the remainder left decides the rounding. The exponents are
+    subtracted. ``x`` zero, subnormal, infinite or NaN falls back to the float division.
 
     A dozen integer operations rather than a 26-step long division: the scale is
     computed for every float8 cast, and LLVM's loop vectorizer (in XLA 0.12's CPU
