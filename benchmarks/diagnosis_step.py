@@ -1,11 +1,14 @@
-"""What ``jaxscale.locate_nonfinite`` and ``jaxscale.precision_stats`` cost when on.
+"""What ``jaxscale.locate_nonfinite`` costs when on: step time and compile time.
 
-Two steps, each against itself without the diagnosis, in one process:
+Three steps, each against itself without the diagnosis, in one process:
 
 * ``flagship``: the main example's train step (``examples/char_lm.py``: the character
   transformer under autocast, GradScaler, Adam), jitted with its state donated; the
   located variant wraps the gradient computation in ``locate_nonfinite``, as the
   example does.
+* ``float8 rowwise MLP``: the gradient of a 4-layer MLP (width 512, batch 256) with every
+  matmul in the rowwise float8 recipe, whose matmuls are each a few dozen small jitted
+  functions for the search to read, and an SGD step;
 * ``memory-bound``: Adam with ``jaxscale.grad_scaler`` on 10M float32 parameters in 50
   leaves and the loss ``0.5 * sum((p - d) ** 2)``, the gradient in the same jit.
 
@@ -50,6 +53,29 @@ def flagship(locate: bool) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     return step, (state, tokens, tokens, None)
 
 
+def float8_mlp(locate: bool, width: int = 512, depth: int = 4, batch: int = 256):
+    keys = jax.random.split(jax.random.key(0), depth + 1)
+    params = [jax.random.normal(key, (width, width)) / width**0.5 for key in keys[:depth]]
+    x = jax.random.normal(keys[-1], (batch, width))
+
+    def forward(params: Any, x: jax.Array) -> jax.Array:
+        for w in params:
+            x = jax.nn.gelu(x @ w)
+        return jnp.mean(jnp.square(x.astype(jnp.float32)))
+
+    gradient = jax.grad(jaxscale.autocast(forward, dtype=jnp.bfloat16, float8="rowwise"))
+
+    def step(params: Any, x: jax.Array, last: Any) -> tuple[Any, ...]:
+        report = None
+        if locate:
+            grads, report = jaxscale.locate_nonfinite(gradient)(params, x)
+        else:
+            grads = gradient(params, x)
+        return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), x, report
+
+    return step, (params, x, None)
+
+
 def memory_bound(locate: bool, size: int = 10_000_000, leaves: int = 50):
     rng = np.random.default_rng(0)
     params = {
@@ -76,7 +102,11 @@ def memory_bound(locate: bool, size: int = 10_000_000, leaves: int = 50):
 
 
 # workload -> (step factory, arguments donated)
-WORKLOADS = {"flagship": (flagship, (0,)), "memory-bound 10M/50": (memory_bound, (0, 1))}
+WORKLOADS = {
+    "flagship": (flagship, (0,)),
+    "float8 rowwise MLP": (float8_mlp, (0,)),
+    "memory-bound 10M/50": (memory_bound, (0, 1)),
+}
 
 
 def compile_seconds(make: Callable[[bool], Any], locate: bool, rounds: int = 3) -> float:

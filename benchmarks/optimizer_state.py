@@ -20,6 +20,12 @@ parameters, gradients and state), the temporaries XLA needs on top, and the peak
 also times torchao's optimizers against PyTorch's fused ``AdamW`` on the same layout
 (torchao compiles its step with ``torch.compile``, as it ships).
 
+On a CPU the step time is measured twice: with the C library's allocator as it is,
+and with freed memory kept for reuse (``benchmarks/allocation.py``): XLA allocates a
+step's temporaries each time it runs, and glibc maps fresh pages for each one above
+32 MiB, so the first table charges a variant for its temporaries' page faults and
+the second for its arithmetic and memory traffic alone.
+
     python -m benchmarks.optimizer_state --layout 10M/50 --repeats 7
 """
 
@@ -36,6 +42,7 @@ import jax.numpy as jnp
 import optax
 
 import jaxscale
+from benchmarks.allocation import reuse_freed_memory
 from benchmarks.harness import JaxStepper, Result, Stepper, measure, table
 
 LEARNING_RATE = 1e-3
@@ -72,6 +79,10 @@ VARIANTS: dict[str, tuple[Any, Callable[[], optax.GradientTransformation]]] = {
     ),
 }  # fmt: skip
 BASELINE = "adamw, float32 parameters (baseline)"
+ALLOCATORS = {
+    "default": "the C library's allocator as it is",
+    "reuse": "freed memory kept for reuse (benchmarks/allocation.py)",
+}
 
 
 def leaf_size(n_params: int, n_leaves: int) -> int:
@@ -183,6 +194,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--torch", choices=["cpu", "none"], default="none")
     parser.add_argument("--memory-only", action="store_true")
+    parser.add_argument(
+        "--allocator",
+        choices=["both", "default", "reuse"],
+        default="both",
+        help="time the steps with the C library's allocator as it is, with freed memory "
+        "kept for reuse (benchmarks/allocation.py), or both, one after the other",
+    )
     args = parser.parse_args(argv)
     count, leaves = args.layout.split("/")
     n_params, n_leaves = int(float(count.rstrip("M")) * 1e6), int(leaves)
@@ -206,17 +224,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         name: (lambda d=dtype, m=make_tx: stepper(d, m, n_params, n_leaves))
         for name, (dtype, make_tx) in VARIANTS.items()
     }
-    results: list[Result] = measure(variants, BASELINE, repeats=args.repeats)
-    print(f"\nStep time, {args.layout} parameters/leaves, ratio to {BASELINE}:\n")
-    print(table(results), flush=True)
-    out: dict[str, Any] = {"memory": footprint, "step": results}
+    out: dict[str, Any] = {"memory": footprint}
+    modes = ["default", "reuse"] if args.allocator == "both" else [args.allocator]
+    for mode in modes:
+        if mode == "reuse" and not reuse_freed_memory():
+            print("\n(freed memory cannot be kept for reuse here: not glibc)")
+            continue
+        results: list[Result] = measure(variants, BASELINE, repeats=args.repeats)
+        allocator = ALLOCATORS[mode]
+        print(f"\nStep time, {args.layout} parameters/leaves, {allocator}, ratio to {BASELINE}:\n")
+        print(table(results), flush=True)
+        out["step" if mode == "default" else "step, freed memory reused"] = results
     if args.torch != "none":
         theirs = measure(
             torch_variants(n_params, n_leaves),
             "torch AdamW (fused), float32 (baseline)",
             repeats=args.repeats,
         )
-        print("\ntorchao on the same layout, ratio to torch's fused AdamW:\n")
+        allocator = ALLOCATORS[modes[-1]]
+        print(f"\ntorchao on the same layout, {allocator}, ratio to torch's fused AdamW:\n")
         print(table(theirs), flush=True)
         out["torchao"] = theirs
     return out

@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
     recipes = ["--recipes", *float8_step.RECIPES, "mxfp8", "mxfp8_wgrad_with_hp"]
     _, text = capture(float8_step.main, [*sizes, *recipes, "--repeats", str(args.repeats)])
     emit("Float8 and MX recipes against bfloat16", text)
-    _, text = capture(optimizer_state.main, ["--layout", "10M/50", "--repeats", str(args.repeats)])
+    state_args = ["--layout", "10M/50", "--repeats", str(args.repeats)]
+    _, text = capture(optimizer_state.main, [*state_args, "--allocator", "default"])
     emit("Low-precision parameters and optimizer state, 10M/50", text)
 
     layouts = optimizer_step.main(
@@ -108,6 +109,10 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
     emit("unscale_and_check throughput", text)
     _, text = capture(counts.main, [])
     emit("Counts: host transfers and recompilations over 1,000 steps", text)
+    if jax.default_backend() == "cpu":
+        # last: it keeps freed memory in this process's heap from then on
+        _, text = capture(optimizer_state.main, [*state_args, "--allocator", "reuse"])
+        emit("Low-precision state, 10M/50, freed memory reused (benchmarks/allocation.py)", text)
 
     return _write(sections, "all")
 

@@ -93,6 +93,8 @@ class Locator(CarryingEvaluator):
         self._codes: list[dict[int, tuple[Any, jax.Array]]] = []
 
     def eval(self, *args: Any, **kwargs: Any) -> tuple[list[Any], Any]:
+        if kwargs.get("inline"):  # the caller's trace: its pending equations and codes
+            return super().eval(*args, **kwargs)
         self._pending.append([])
         self._codes.append({})
         try:

@@ -179,9 +179,21 @@ def _bitwise_or_each(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _bits(value: Any) -> jax.Array:
-    return jnp.where(
-        jnp.isnan(value), np.int8(NAN), jnp.where(jnp.isinf(value), np.int8(INF), np.int8(0))
-    )
+    """Each element's code as int8, in ``lax`` operations: ``jnp.isnan`` and friends are
+    jitted functions, each a function of its own in the lowered program, and a located
+    program reads hundreds of values."""
+    value = jnp.asarray(value)
+    code = lax.full_like(value, 0, jnp.int8)
+    if _has_infinity(value.dtype):
+        infinity = lax.full_like(value, np.inf)
+        code = lax.select(lax.eq(lax.abs(value), infinity), lax.full_like(code, INF), code)
+    return lax.select(lax.ne(value, value), lax.full_like(code, NAN), code)
+
+
+def _has_infinity(dtype: Any) -> bool:
+    """Whether ``dtype`` holds an infinity (``float8_e4m3fn`` and the MX element types
+    do not: their infinity rounds to NaN or saturates)."""
+    return bool(np.isinf(np.asarray(np.inf).astype(dtype)))
 
 
 def is_floating(value: Any) -> bool:
