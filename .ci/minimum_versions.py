@@ -3,8 +3,9 @@
     python .ci/minimum_versions.py > constraints.txt
     pip install -c constraints.txt -e ".[test]"
 
-The floors are the ``>=`` bounds of ``[project] dependencies`` in pyproject.toml, so
-the CI stage that installs them tests exactly what the package promises.
+The floors are the ``>=`` bounds of ``[project] dependencies`` in pyproject.toml (a
+``<`` ceiling after one is allowed), so the CI stage that installs them tests exactly
+what the package promises.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ def minimums() -> dict[str, str]:
     dependencies = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
     found = {}
     for requirement in dependencies:
-        match = re.fullmatch(r"([A-Za-z0-9_.-]+)\s*>=\s*([0-9][0-9A-Za-z.]*)", requirement)
+        # a floor, and optionally a ceiling after it (">=0.10.0,<0.12.1")
+        match = re.fullmatch(
+            r"([A-Za-z0-9_.-]+)\s*>=\s*([0-9][0-9A-Za-z.]*)(?:\s*,\s*<\s*[0-9][0-9A-Za-z.]*)?",
+            requirement,
+        )
         if match is None:
             raise SystemExit(f"dependency without a '>=' floor: {requirement!r}")
         found[match.group(1)] = match.group(2)
