@@ -871,7 +871,7 @@ def _structural_tags(
 ) -> list[Tag]:
     if precision is Precision.LOWER:
         return [Tag.PRODUCT] * count
-    maximum = _maximum_tags(name, in_tags)
+    maximum = _maximum_tags(name, in_tags, eqn)
     if maximum is not Tag.NONE:
         return [maximum] * count
     if name in _VIEWS:
@@ -889,6 +889,17 @@ def _structural_tags(
     return [Tag.NONE] * count
 
 
+def _is_initial_minus_infinity(eqn: Any, in_tags: list[Tag]) -> bool:
+    """Whether ``eqn`` (a ``max``) is ``max(-inf, m)`` of a maximum over an axis ``m``,
+    as ``jnp.max(..., initial=-jnp.inf)`` writes it."""
+    literals = [literal_value(var) for var in eqn.invars if is_literal(var)]
+    minus_infinity = any(
+        np.ndim(value) == 0 and bool(np.isneginf(np.asarray(value, np.float64)))
+        for value in literals
+    )
+    return minus_infinity and any(Tag.MAXIMUM in tag for tag in in_tags)
+
+
 def _expanded(eqn: Any, tag: Tag) -> Tag:
     """:attr:`Tag.EXPANDED` for a view that only adds size-1 axes to its input (or keeps
     the axes of an input that is such a view); nothing otherwise."""
@@ -900,13 +911,19 @@ def _expanded(eqn: Any, tag: Tag) -> Tag:
     return Tag.EXPANDED if added or kept else Tag.NONE
 
 
-def _maximum_tags(name: str, in_tags: list[Tag]) -> Tag:
+def _maximum_tags(name: str, in_tags: list[Tag], eqn: Any = None) -> Tag:
     """A maximum over an axis (and its stop_gradient) through the operations JAX's
-    softmax and logsumexp apply to it; ``Tag.NONE`` for anything else."""
+    softmax and logsumexp apply to it; ``Tag.NONE`` for anything else.
+
+    The stabiliser is such a maximum held constant (``stop_gradient``), or taken with an
+    initial ``-inf`` (``jnp.max(x, initial=-jnp.inf)``): JAX 0.12.1's softmax, a custom
+    derivative of its own, subtracts that maximum without a ``stop_gradient``."""
     if name == "reduce_max":
         return Tag.MAXIMUM
     carried = Tag.MAXIMUM | Tag.STABILIZER
     if name == "stop_gradient" and Tag.MAXIMUM in in_tags[0]:
+        return Tag.STABILIZER
+    if name == "max" and eqn is not None and _is_initial_minus_infinity(eqn, in_tags):
         return Tag.STABILIZER
     if name in ("broadcast_in_dim", "reshape", "stop_gradient", "convert_element_type"):
         return in_tags[0] & carried

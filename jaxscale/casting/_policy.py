@@ -89,6 +89,12 @@ _TABLE: list[tuple[str, Precision, str]] = [
     ("cosh", FLOAT32, "cosh"),
     ("asin", FLOAT32, "asin"),
     ("acos", FLOAT32, "acos"),
+    # JAX 0.12.1's functions of pi and of one: as the ops they scale or shift
+    ("asinpi", FLOAT32, "asin (divided by pi: asinpi, JAX 0.12.1)"),
+    ("acospi", FLOAT32, "acos (divided by pi: acospi, JAX 0.12.1)"),
+    ("tanpi", FLOAT32, "tan (of pi times its input: tanpi, JAX 0.12.1)"),
+    ("exp2m1", FLOAT32, "expm1 (base 2: exp2m1, JAX 0.12.1)"),
+    ("log2p1", FLOAT32, "log1p (base 2: log2p1, JAX 0.12.1)"),
     ("div", Precision.RECIPROCAL, "reciprocal, __rdiv__, __rtruediv__ (float32); "
      "any other division promotes"),
     # everything else runs in its inputs' dtype: the ones checked to be safe so
@@ -103,6 +109,12 @@ _TABLE: list[tuple[str, Precision, str]] = [
     ("cos", WIDEST, _PROMOTES), ("atan", WIDEST, _PROMOTES),
     ("atan2", WIDEST, "atan2 (PyTorch's promote list)"), ("asinh", WIDEST, _PROMOTES),
     ("acosh", WIDEST, _PROMOTES), ("atanh", WIDEST, _PROMOTES),
+    ("sinpi", WIDEST, "sin of pi times its input (JAX 0.12.1; type promotion)"),
+    ("cospi", WIDEST, "cos of pi times its input (JAX 0.12.1; type promotion)"),
+    ("atanpi", WIDEST, "atan divided by pi (JAX 0.12.1; type promotion)"),
+    ("atan2pi", WIDEST, "atan2 divided by pi (JAX 0.12.1; PyTorch's promote list)"),
+    ("fma", WIDEST, "addcmul's a * b + c, fused (JAX 0.12.1; type promotion)"),
+    ("fmuladd", WIDEST, "a * b + c, fused where the backend may (JAX 0.12.1; type promotion)"),
     ("erf", WIDEST, "erf, and gelu's exact form (not in PyTorch's lists)"),
     ("erfc", WIDEST, _PROMOTES), ("lgamma", WIDEST, _PROMOTES), ("digamma", WIDEST, _PROMOTES),
     ("eq", WIDEST, _PROMOTES), ("ne", WIDEST, _PROMOTES), ("lt", WIDEST, _PROMOTES),
@@ -140,7 +152,8 @@ _TABLE: list[tuple[str, Precision, str]] = [
     ("all_gather_invariant", WIDEST, _COLLECTIVE), ("ppermute", WIDEST, _COLLECTIVE),
     ("all_to_all", WIDEST, _COLLECTIVE),
     ("reduce_scatter", WIDEST, _COLLECTIVE), ("pbroadcast", WIDEST, _COLLECTIVE),
-    ("pvary", WIDEST, _COLLECTIVE),
+    ("pvary", WIDEST, _COLLECTIVE), ("pmax_scatter", WIDEST, _COLLECTIVE),
+    ("pmin_scatter", WIDEST, _COLLECTIVE), ("pxor", WIDEST, _COLLECTIVE),
 ]  # fmt: skip
 
 POLICY: Mapping[str, Row] = {name: Row(precision, ops) for name, precision, ops in _TABLE}
@@ -155,7 +168,7 @@ _UNLISTED = Row(Precision.AS_TRACED, "not in the table: runs as traced")
 _CPU_KEEPS_INPUT_DTYPE = (
     "exp", "exp2", "expm1", "log", "log2", "log1p", "pow", "integer_pow", "square", "rsqrt",
     "reduce_sum", "cumsum", "cumprod", "cumlogsumexp", "erf_inv", "tan", "sinh", "cosh", "asin",
-    "acos", "div",
+    "acos", "div", "asinpi", "acospi", "tanpi", "exp2m1", "log2p1",
 )  # fmt: skip
 _CPU_FLOAT32 = {
     "fft": "fft_fft, fft_rfft, fft_ifft and the rest of torch.fft",
@@ -208,7 +221,7 @@ AS_TRACED: Mapping[str, str] = {
         "random numbers and keys",
         "random_bits random_clone random_fold_in random_gamma random_seed random_split "
         "random_unwrap random_wrap rng_bit_generator rng_uniform threefry2x32 threefry4x32 "
-        "philox2x32 philox4x32 iota_2x32_shape",
+        "philox2x32 philox4x32 iota_2x32_shape random_gamma_grad random_poisson raw_bits",
     ),
     **_group(
         "bits, integers, booleans and indices (no floating arithmetic)",
@@ -324,6 +337,11 @@ VERSION_SPECIFIC: Mapping[str, str] = {
     **_group(
         "JAX 0.12 and later",
         "pbroadcast_dynamic polynomial reduced_vary_cast vary_unreduced_cast",
+    ),
+    **_group(
+        "JAX 0.12.1 and later",
+        "acospi asinpi atan2pi atanpi cospi exp2m1 fma fmuladd log2p1 pmax_scatter "
+        "pmin_scatter pxor random_gamma_grad random_poisson raw_bits sinpi tanpi",
     ),
 }
 """Primitive names above that exist in some supported JAX versions only."""
