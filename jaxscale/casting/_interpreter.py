@@ -911,7 +911,7 @@ def _expanded(eqn: Any, tag: Tag) -> Tag:
     return Tag.EXPANDED if added or kept else Tag.NONE
 
 
-def _maximum_tags(name: str, in_tags: list[Tag], eqn: Any = None) -> Tag:
+def _maximum_tags(name: str, in_tags: list[Tag], eqn: Any) -> Tag:
     """A maximum over an axis (and its stop_gradient) through the operations JAX's
     softmax and logsumexp apply to it; ``Tag.NONE`` for anything else.
 
@@ -923,7 +923,7 @@ def _maximum_tags(name: str, in_tags: list[Tag], eqn: Any = None) -> Tag:
     carried = Tag.MAXIMUM | Tag.STABILIZER
     if name == "stop_gradient" and Tag.MAXIMUM in in_tags[0]:
         return Tag.STABILIZER
-    if name == "max" and eqn is not None and _is_initial_minus_infinity(eqn, in_tags):
+    if name == "max" and _is_initial_minus_infinity(eqn, in_tags):
         return Tag.STABILIZER
     if name in ("broadcast_in_dim", "reshape", "stop_gradient", "convert_element_type"):
         return in_tags[0] & carried
