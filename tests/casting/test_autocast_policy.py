@@ -900,6 +900,10 @@ def test_a_maximum_taken_with_an_initial_minus_infinity_is_subtracted_in_float32
         jaxpr = jax.make_jaxpr(fn)(x)
         subs = [e for e in equations(jaxpr.jaxpr) if e.primitive.name == "sub"]
         assert [str(e.outvars[0].aval.dtype) for e in subs] == [dtype], initial
+    # a -inf floor of a value that is no maximum over an axis is no stabiliser either
+    clamped = jaxscale.autocast(lambda x: jnp.exp(x - jnp.maximum(x * 2, -jnp.inf)))
+    subs = [e for e in equations(jax.make_jaxpr(clamped)(x).jaxpr) if e.primitive.name == "sub"]
+    assert [str(e.outvars[0].aval.dtype) for e in subs] == ["float16"]
 
 
 @pytest.mark.parametrize(
