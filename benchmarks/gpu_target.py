@@ -72,7 +72,9 @@ def device(target: str) -> Any:
 
 def placed_like(tree: Any, target_device: Any) -> Any:
     """Shape-and-dtype placeholders of ``tree``'s arrays, on ``target_device``."""
-    sharding = jax.sharding.SingleDeviceSharding(target_device)
+    # JAX 0.12.1 deprecates the class's name for this function; earlier ones lack it
+    make = getattr(jax.sharding, "make_single_device_sharding", None)
+    sharding = make(target_device) if make else jax.sharding.SingleDeviceSharding(target_device)
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(
             jax.numpy.shape(x), jax.numpy.result_type(x), sharding=sharding

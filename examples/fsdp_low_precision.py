@@ -57,7 +57,13 @@ def launch(args: argparse.Namespace, timeout: float = 240.0) -> list[dict]:
         procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     records = []
     for proc, out in zip(procs, outs, strict=True):
-        _, stderr = proc.communicate(timeout=timeout)
+        try:
+            _, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in procs:  # killed and reaped: no process outlives the job
+                other.kill()
+                other.communicate()
+            raise
         record = json.loads(out.read_text()) if proc.returncode == 0 else {}
         records.append({**record, "returncode": proc.returncode, "stderr": stderr.decode()[-3000:]})
     return records

@@ -110,7 +110,12 @@ def launch(args: argparse.Namespace, argv: list[str], timeout: float = 300.0) ->
         except subprocess.TimeoutExpired:
             for other in procs:
                 other.kill()
-            raise RuntimeError(f"process {i} did not finish within {timeout:.0f} s") from None
+            # reaped, so that no process outlives the job; the stuck one's last words kept
+            last_words = [other.communicate()[1] for other in procs][i]
+            raise RuntimeError(
+                f"process {i} did not finish within {timeout:.0f} s; the end of its stderr:\n"
+                + last_words.decode(errors="replace")[-2000:]
+            ) from None
         record = json.loads(out.read_text()) if out.exists() and proc.returncode == 0 else {}
         record.update(returncode=proc.returncode, stderr=stderr.decode(errors="replace"))
         records.append(record)

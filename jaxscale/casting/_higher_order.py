@@ -39,6 +39,7 @@ from jaxscale.casting._interpreter import (
     captured_tags,
     cast,
     cast_floating,
+    evaluating_a_jvp_rule,
     is_floating,
     widest,
 )
@@ -366,7 +367,8 @@ def _custom_jvp(autocaster: Autocaster, eqn: Any, invals: list[Any],
         # the primals are what they were outside; the tangents are computed
         tags = given.select([*in_tags, *[Tag.NONE] * len(tangents)])
         autocaster.follow(primals, invals)
-        arrays = iter(autocaster.run(rule_jaxpr, given.arrays, tags))
+        with evaluating_a_jvp_rule():
+            arrays = iter(autocaster.run(rule_jaxpr, given.arrays, tags))
         outs = [next(arrays) if zero is None else zero for zero in zero_outputs]
         half = len(outs) // 2
         primal_out = cast_floating(outs[:half], [s.dtype for s in out_shapes])

@@ -54,10 +54,11 @@ sharding context.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -802,10 +803,37 @@ def _on_the_cpu_in_half(fn: Callable[..., Any], *values: Any) -> Any:
     return lax.platform_dependent(*values, cpu=fn, default=wide)
 
 
+# How many user-written JVP rules (``jax.custom_jvp``) autocast is evaluating now.
+_jvp_rules_running = [0]
+
+
+@contextlib.contextmanager
+def evaluating_a_jvp_rule() -> Iterator[None]:
+    """While autocast evaluates a ``custom_jvp`` rule: the rule's tangent arithmetic is
+    linear, and JAX transposes it as written instead of differentiating it, so
+    :func:`_with_float32_tangent` writes its float32 derivative into the values."""
+    _jvp_rules_running[0] += 1
+    try:
+        yield
+    finally:
+        _jvp_rules_running[0] -= 1
+
+
 def _with_float32_tangent(fn: Callable[..., Any], *values: Any) -> Any:
     """``fn(*values)`` (float16 or bfloat16 values, one result in their dtype), whose
     derivative is ``fn`` of the tangents in float32, rounded to the result's dtype: its
-    transpose, a gradient, then sums in float32 wherever ``fn`` broadcasts."""
+    transpose, a gradient, then sums in float32 wherever ``fn`` broadcasts.
+
+    Inside a JVP rule (:func:`evaluating_a_jvp_rule`) the values are tangents that JAX
+    transposes as they are computed (a ``custom_jvp`` there is traced as its primal,
+    whose transpose is a half-precision sum), so ``fn`` runs on the values widened to
+    float32 and rounds its result back: the same values bit for bit (a broadcast moves
+    them, and an addition rounded twice, to float32 and then to the half dtype, rounds
+    as once, as :func:`added_through_float32` says), and its transpose sums in float32.
+    """
+    if _jvp_rules_running[0]:
+        dtype = jax.eval_shape(fn, *values).dtype
+        return cast(fn(*(cast(v, jnp.float32) for v in values)), dtype)
 
     @jax.custom_jvp
     def spread(*args: Any) -> Any:

@@ -154,6 +154,49 @@ def test_plain_jax_models_differentiate_without_half_sums(name, dtype, device_ty
         np.testing.assert_allclose(grads[key], expected[key], atol=0.03 * scale, err_msg=key)
 
 
+@jax.custom_jvp
+def centred(x):
+    return x - jnp.mean(x, axis=-1, keepdims=True)
+
+
+@centred.defjvp
+def centred_jvp(primals, tangents):
+    # a JVP rule written as softmax's is (JAX 0.12.1's jax.nn.softmax is one): the
+    # tangent's mean is broadcast back over the axis, which JAX transposes into a sum
+    (x,), (t,) = primals, tangents
+    return centred(x), t - jnp.mean(t, axis=-1, keepdims=True)
+
+
+def centred_layer(params, x):
+    return jnp.mean(jnp.tanh(centred(x @ params["w"])) ** 2)
+
+
+@pytest.mark.parametrize("softmax", ["custom_jvp_call", "jax.nn.softmax's"])
+def test_a_jvp_rules_broadcast_tangent_is_summed_back_in_float32(softmax):
+    # JAX transposes the tangent arithmetic of a custom JVP rule as the rule wrote it:
+    # the broadcast of a bfloat16 tangent became a bfloat16 sum, which the flag refuses
+    # (under PyTorch's CPU policy softmax runs in bfloat16, and JAX 0.12.1 writes
+    # jax.nn.softmax as a custom_jvp by default: JAX's flag turns it on in earlier ones)
+    if softmax == "custom_jvp_call":
+        fn, (params, x) = centred_layer, linear_params()
+    else:
+        fn, (params, x) = attention, attention_params()
+    loss = jaxscale.autocast(fn, dtype=BF16, device_type="cpu")
+    previous = jax.config.jax_softmax_custom_jvp
+    jax.config.update("jax_softmax_custom_jvp", True)
+    try:
+        with no_half_sums():
+            jaxpr = jax.make_jaxpr(jax.grad(loss))(params, x)
+            grads = jax.jit(jax.grad(loss))(params, x)
+        expected = jax.grad(fn)(params, x)
+    finally:
+        jax.config.update("jax_softmax_custom_jvp", previous)
+    assert half_reduce_sums(jaxpr.jaxpr) == []
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(expected))
+    for key in params:
+        np.testing.assert_allclose(grads[key], expected[key], atol=0.03 * scale, err_msg=key)
+
+
 def test_with_the_flag_on_only_the_cpu_program_sums_in_half():
     # the default, kept for speed on the CPU: the accelerators' branch of the program
     # still sums in float32, and JAX's flag sees the half sum of the CPU branch

@@ -188,11 +188,17 @@ def test_the_8_bit_and_float8_steps_peak_below_float32_adams():
     baseline = sum(step_memory(adamw(), params))
     assert baseline == pytest.approx(16.0, abs=0.01)  # parameters, gradients, two moments
     assert baseline_temporaries < 0.01
+    count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
     for fmt, at_rest in [("int8", 10.03), ("float8_e4m3fn", 10.03), ("int4", 9.06)]:
-        arguments, temporaries, unaliased = step_memory(
-            jaxscale.low_precision_state(adamw(), fmt), params
-        )
-        assert arguments == pytest.approx(at_rest, abs=0.01), fmt
+        tx = jaxscale.low_precision_state(adamw(), fmt)
+        arguments, temporaries, unaliased = step_memory(tx, params)
+        state = sum(leaf.size * leaf.dtype.itemsize
+                    for leaf in jax.tree.leaves(jax.eval_shape(tx.init, params)))  # fmt: skip
+        assert 8 + state / count == pytest.approx(at_rest, abs=0.01), fmt  # + params, grads
+        # JAX 0.12.1 passes a program's large constants as arguments: the 8-bit
+        # encoder's two lookup tables of 2**16 int32 (_blockwise.py) and a few scalars,
+        # once per step
+        assert 0 <= arguments - (8 + state / count) <= (2 * 2**16 * 4 + 1024) / count, fmt
         assert unaliased < 0.01, fmt  # the new state is written into the donated old one
         # the old state, kept while the new one is written (Optax applies the update
         # after the transform returns it), and a slice's temporaries

@@ -131,9 +131,12 @@ def test_gpu_lowering_reports_each_step(capsys):
     text = run("gpu_lowering", ["--platforms", "cuda", "tpu", "--steps",
                                 "facade: optax triple, unscale_ + clip"])  # fmt: skip
     rows = [line for line in text.splitlines() if line.startswith("| facade")]
-    assert [row.split(" | ")[1:6] for row in rows] == [
-        ["cuda", "0", "0 (4)", "0", "0 (0)"],
-        ["tpu", "0", "0 (4)", "0", "0 (0)"],
+    # platform, loops, conditionals on data (on constants), host transfers, converts: the
+    # conditionals on constants are what JAX leaves for XLA to fold (4 before JAX 0.12.1)
+    cells = [row.split(" | ")[1:6] for row in rows]
+    assert [[c[0], c[1], c[2].split()[0], c[3], c[4]] for c in cells] == [
+        ["cuda", "0", "0", "0", "0 (0)"],
+        ["tpu", "0", "0", "0", "0 (0)"],
     ]
     assert text in capsys.readouterr().out
 

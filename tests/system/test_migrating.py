@@ -229,7 +229,7 @@ def _regression_loss(params, batch):
     return jnp.mean((prediction - y) ** 2) * spike
 
 
-def test_a_jmp_loop_ported_to_grad_scaler_trains_bitwise_alike():
+def test_a_jmp_loop_ported_to_grad_scaler_trains_alike():
     _requires_every_rounding()
     rng = np.random.default_rng(1)
     params = {"w": jnp.asarray(rng.normal(size=(4, 2)), F32), "b": jnp.zeros(2, F32)}
@@ -249,8 +249,14 @@ def test_a_jmp_loop_ported_to_grad_scaler_trains_bitwise_alike():
     assert [scale for _, scale in ours] == [s for _, s in theirs] == [
         32768.0, 32768.0, 16384.0, 16384.0, 8192.0, 8192.0, 8192.0, 16384.0,
     ]  # fmt: skip
+    # the same float16 forward and backward, bit for bit (the scales above say so); Adam's
+    # float32 arithmetic to its last bit: the two steps are different programs, which
+    # XLA may compile to different float32 roundings (JAX 0.12.1's CPU backend does,
+    # by an ulp, in a step whose update it fuses into the parameter's addition)
     for (ours_params, _), (their_params, _) in zip(ours, theirs, strict=True):
-        jax.tree.map(np.testing.assert_array_equal, ours_params, their_params)
+        for ours_leaf, their_leaf in zip(jax.tree.leaves(ours_params),
+                                         jax.tree.leaves(their_params), strict=True):  # fmt: skip
+            np.testing.assert_array_max_ulp(np.asarray(ours_leaf), np.asarray(their_leaf), 2)
 
 
 def test_jmp_forgets_its_minimum_scale_through_jit_and_grad_scaler_keeps_it():
