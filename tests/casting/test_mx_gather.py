@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support import machine
 
 import jaxscale
 from jaxscale.casting import MXRecipe
@@ -30,7 +31,7 @@ import json, os, pathlib, re, sys, tempfile
 root = tempfile.mkdtemp()
 os.environ["XLA_FLAGS"] = (
     f"--xla_force_host_platform_device_count=8 --xla_dump_to={root} "
-    "--xla_dump_hlo_pass_re=spmd-partitioning"
+    "--xla_dump_hlo_pass_re=spmd-partitioning " + sys.argv[1]
 )
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -81,11 +82,14 @@ print(json.dumps(found))
 def collectives():
     """For each recipe and FSDP layout (a (N, K) weight sharded along axis 0 or 1 over
     8 devices, the batch sharded too): each collective of the step as ``[kind, dtype,
-    shape]``. Compiled without the persistent cache: a program loaded from it is not
-    compiled, and XLA dumps nothing."""
+    shape]``. Compiled without the persistent cache (a program loaded from it is not
+    compiled, and XLA dumps nothing), and for inspection only: it never runs."""
     env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
     result = subprocess.run(
-        [sys.executable, "-c", _CENSUS], capture_output=True, text=True, env=env
+        [sys.executable, "-c", _CENSUS, machine.INSPECTION_ONLY_FLAGS],
+        capture_output=True,
+        text=True,
+        env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.splitlines()[-1])

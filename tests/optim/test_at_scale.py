@@ -21,7 +21,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from support import third_party
+from support import machine, third_party
 
 import jaxscale
 from jaxscale._src.deferred import derived_elementwise, elementwise_origin
@@ -69,7 +69,9 @@ def step_memory(tx, params):
         with third_party.standard_promotion():
             return optax.apply_updates(params, updates), state
 
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
+    compiled = machine.compiled_to_inspect(
+        jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params)
+    )
     memory = compiled.memory_analysis()
     count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
     unaliased = memory.output_size_in_bytes - memory.alias_size_in_bytes
@@ -422,7 +424,7 @@ def fsdp_step(tx, mesh):
 def test_an_fsdp_step_communicates_nothing_but_the_finite_check(make):
     mesh = fsdp_mesh()
     jitted, params, state = fsdp_step(make(), mesh)
-    compiled = jitted.lower(params, state, params).compile()
+    compiled = machine.compiled_to_inspect(jitted.lower(params, state, params))
     collectives = COLLECTIVE.findall(compiled.as_text())
     # grad_scaler's one all-reduce of its finite check: booleans
     assert all(kind == "all-reduce" and "pred" in shape for shape, kind, _ in collectives)
@@ -514,7 +516,7 @@ def test_the_parameter_writers_communicate_nothing_under_fsdp(make):
             return optax.apply_updates(params, updates), state
 
     jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=(None, shardings))
-    compiled = jitted.lower(params, state, params).compile()
+    compiled = machine.compiled_to_inspect(jitted.lower(params, state, params))
     assert COLLECTIVE.findall(compiled.as_text()) == []
 
 

@@ -84,6 +84,22 @@ def cpu_device(needs: str = "asserts what XLA's CPU backend compiles") -> Any:
         )
 
 
+# Compiler options for a program a test compiles only to read it (its HLO, its
+# collectives, its memory analysis) and never runs: they turn down LLVM's optimization
+# of the machine code, which comes after XLA's HLO passes and buffer assignment, so the
+# HLO and the memory figures are the same (checked on the 8-bit, stochastic-rounding and
+# Kahan steps of 10M parameters) and the compile takes about half the CPU time. Not
+# for a program that runs: there the figures it computes could change.
+INSPECTION_ONLY = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+INSPECTION_ONLY_FLAGS = " ".join(f"--{name}={str(value).lower()}"
+                                 for name, value in INSPECTION_ONLY.items())  # fmt: skip
+
+
+def compiled_to_inspect(lowered: Any) -> Any:
+    """``lowered.compile()`` with :data:`INSPECTION_ONLY`: for reading, never running."""
+    return lowered.compile(compiler_options=INSPECTION_ONLY)
+
+
 def compiled_on_cpu(jitted: Any, *args: Any) -> Any:
     """``jitted`` lowered and compiled for the CPU device (see :func:`cpu_device`), its
     arguments placed there: the program XLA's CPU backend makes of it."""
