@@ -234,26 +234,31 @@ def _encode(normalized: jax.Array, fmt: BlockFormat, signed: bool) -> jax.Array:
 
 def _decode(codes: jax.Array, fmt: BlockFormat, signed: bool) -> jax.Array:
     if fmt.name == FLOAT8:
-        # a lookup of the 256 values, exactly what a conversion gives: XLA's CPU
-        # backend converts float8 through float16, and inside a loop it hoists that
-        # conversion of a whole loop-invariant array out, a widened copy of the state
-        bits = lax.bitcast_convert_type(codes, jnp.uint8).astype(jnp.int32)
-        return _lookup(_float8_values(), bits)
+        return _float8_to_float32(codes)
     return _lookup(fmt.table(signed), codes.astype(jnp.int32))
+
+
+def _float8_to_float32(codes: jax.Array) -> jax.Array:
+    """``float8_e4m3fn`` codes to float32, bit for bit what a conversion gives, in integer
+    arithmetic: elementwise, so it fuses with what reads it (a table lookup is a gather,
+    which XLA's CPU backend writes out with its indices), and opaque to XLA's
+    simplifier, which may drop a float32 -> float8 -> float32 round trip of a conversion
+    (``xla_allow_excess_precision``) and, inside a loop, hoists the conversion of a whole
+    loop-invariant array out (a widened copy of the state)."""
+    bits = lax.bitcast_convert_type(codes, jnp.uint8).astype(jnp.uint32)
+    magnitude = bits & 0x7F
+    # a normal number's exponent (bias 7) and mantissa moved into float32's (bias 127)
+    normal = lax.bitcast_convert_type((magnitude << 20) + jnp.uint32(120 << 23), jnp.float32)
+    subnormal = magnitude.astype(jnp.float32) * jnp.float32(2.0**-9)  # exact: m * 2**-9
+    value = jnp.where(magnitude >= 8, normal, subnormal)
+    value = jnp.where(magnitude == 0x7F, jnp.float32(np.nan), value)  # e4m3fn's one NaN
+    return jnp.where((bits & 0x80) != 0, -value, value)
 
 
 def _lookup(table: np.ndarray, indices: jax.Array) -> jax.Array:
     """``table[indices]`` for indices known to be in range (codes index their whole map),
     which XLA then reads without clamping them."""
     return jnp.asarray(table).at[indices].get(mode="promise_in_bounds")
-
-
-@functools.cache
-def _float8_values() -> np.ndarray:
-    """The float32 value of each of the 256 ``float8_e4m3fn`` bit patterns."""
-    values = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
-    values.setflags(write=False)
-    return values
 
 
 def _pack(codes: jax.Array, fmt: BlockFormat) -> jax.Array:

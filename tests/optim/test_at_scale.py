@@ -26,7 +26,7 @@ from support import machine, third_party
 import jaxscale
 from jaxscale._src.deferred import derived_elementwise, elementwise_origin
 from jaxscale._src.elementwise import ElementwiseProgram
-from jaxscale.optim import _in_place
+from jaxscale.optim import _blockwise, _in_place
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 FORMATS = ["int8", "float8_e4m3fn", "int4", "bfloat16"]
@@ -533,3 +533,12 @@ def test_stochastic_rounding_draws_the_same_bits_on_any_mesh():
     sharded = jax.jit(tx.update)(put(grads), put(tx.init(params)), put(params))
     for a, b in zip(jax.tree.leaves(alone), jax.tree.leaves(sharded), strict=True):
         np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
+
+
+def test_float8_codes_decode_to_what_a_conversion_gives_bit_for_bit():
+    # every one of the 256 codes (subnormals, both zeros, the NaNs), in integer arithmetic
+    # that fuses into the step (a table lookup was a gather written out per slice)
+    codes = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn)
+    decoded = jax.jit(_blockwise._float8_to_float32)(jnp.asarray(codes))
+    expected = codes.astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(decoded).view(np.uint32), expected.view(np.uint32))
