@@ -11,6 +11,12 @@ draws, bit for bit.
 
 Only Threefry keys in partitionable mode with fewer than 2**32 elements take this
 path; any other key or setting is passed to ``jax.random.bits`` itself.
+
+``random_uniform`` is ``jax.random.uniform(key, shape, jnp.float32)`` from the same
+hash. Besides what is written, JAX's loop costs compile time that grows with the
+draw's rank (measured on a CPU: 0.2 s for a (64, 512) draw, 0.38 s for (8, 128, 512),
+1.35 s for a (3, 3, 8, 16) one, against 0.06 s for each as arithmetic), paid at every
+site a step draws at.
 """
 
 from __future__ import annotations
@@ -42,6 +48,25 @@ def random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     index = _linear_index(shape)
     high, low = _threefry_2x32(words[0], words[1], jnp.zeros(shape, jnp.uint32), index)
     return high ^ low
+
+
+def random_uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``jax.random.uniform(key, shape, jnp.float32)``: values in [0, 1), bit for bit
+    JAX's, fused into their consumer where they can be.
+
+    JAX makes a float32 in [1, 2) of a draw's top 23 bits and subtracts 1; so does this.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxscale._src.threefry import random_uniform
+    >>> key = jax.random.key(3)
+    >>> bool((random_uniform(key, (2, 5)) == jax.random.uniform(key, (2, 5))).all())
+    True
+    """
+    if _key_words(key) is None or not shape or math.prod(shape) >= 1 << 32:
+        return jax.random.uniform(key, shape, jnp.float32)
+    mantissa = lax.shift_right_logical(random_bits(key, shape), np.uint32(32 - 23))
+    one_to_two = lax.bitcast_convert_type(mantissa | np.uint32(0x3F800000), jnp.float32)
+    return one_to_two - np.float32(1.0)
 
 
 def _key_words(key: Any) -> tuple[jax.Array, jax.Array] | None:

@@ -47,6 +47,7 @@ import numpy as np
 from jax import lax
 
 from jaxscale._src.exact import divide_exactly
+from jaxscale._src.threefry import random_uniform
 from jaxscale.casting._mx import _divided_by
 
 E2M1 = np.dtype(jnp.float4_e2m1fn)
@@ -250,6 +251,6 @@ def _to_e2m1(scaled: jax.Array, key: jax.Array | None) -> jax.Array:
     upper = grid[jnp.minimum(below + 1, 7)]
     gap = jnp.where(upper > lower, upper - lower, np.float32(1.0))
     fraction = (magnitude - lower) / gap
-    draws = jax.random.uniform(key, scaled.shape, jnp.float32)
+    draws = random_uniform(key, scaled.shape)
     rounded = jnp.where(draws < fraction, upper, lower)
     return jnp.where(scaled < 0, -rounded, rounded).astype(E2M1)

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale._src.threefry import random_uniform
+
 
 def stochastic_to_float8(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     """``x`` (float32, already scaled and within the format's range) in ``dtype``
@@ -40,6 +42,6 @@ def stochastic_to_float8(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     gap = jnp.abs(upper.astype(jnp.float32)) - lower_magnitude
     exact = magnitude == lower_magnitude  # a float8 value (also the largest: no upper)
     probability = jnp.where(exact, 0.0, (magnitude - lower_magnitude) / jnp.where(exact, 1.0, gap))
-    draws = jax.random.uniform(key, x.shape, jnp.float32)
+    draws = random_uniform(key, x.shape)
     rounded = jnp.where(draws < probability, upper, lower)
     return jnp.where(jnp.isfinite(x), rounded, nearest)

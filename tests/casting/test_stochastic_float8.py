@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 import jaxscale
+from jaxscale._src.threefry import random_uniform
 from jaxscale.casting import MX_RECIPES, RECIPES
+from jaxscale.casting._stochastic_float8 import stochastic_to_float8
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 DRAWS = 1_000_000
@@ -130,3 +132,43 @@ def test_the_cuda_lowering_of_stochastic_gradients_waits_on_nothing():
     assert report.loops == 0
     assert report.data_conditionals == 0
     assert report.host_transfers == 0
+
+
+@pytest.mark.parametrize(
+    "key",
+    [jax.random.key(0), jax.random.PRNGKey(7), jax.random.fold_in(jax.random.key(3), 49),
+     jax.random.key(0, impl="rbg")],
+    ids=["typed", "raw", "folded", "rbg"],
+)  # fmt: skip
+@pytest.mark.parametrize("shape", [(5,), (2, 3, 100), (3, 3, 2, 4)])
+def test_the_draws_are_jaxs_own_uniform_floats(key, shape):
+    # what a user reproduces with jax.random.uniform, computed by jaxscale's own hash
+    expected = np.asarray(jax.random.uniform(key, shape, jnp.float32))
+    for compute in (random_uniform, jax.jit(random_uniform, static_argnums=1)):
+        got = np.asarray(compute(key, shape))
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+    x = np.full(shape, 1.0 + 2.0**-5, np.float32)  # between e4m3's 1 and 1.125
+    np.testing.assert_array_equal(
+        stochastic_to_float8(x, E4M3, key).astype(jnp.float32),
+        np.where(expected < 0.25, 1.125, 1.0).astype(np.float32),
+    )
+
+
+@pytest.mark.parametrize(
+    ("rounding", "bytes_per_element"),
+    [(lambda x, key: stochastic_to_float8(x, E4M3, key), 0.01),
+     (lambda x, key: jaxscale.quantize_nvfp4(x, key=key)[0], 4.3)],
+    ids=["float8", "nvfp4"],
+)  # fmt: skip
+def test_the_draws_are_hashed_where_they_are_read_not_in_jaxs_loop(rounding, bytes_per_element):
+    # JAX lowers Threefry's twenty rounds as a loop on the CPU: its words were 16 bytes
+    # per element of temporaries in both roundings, and its compile time grows with the
+    # draw's rank (1.35 s for one (3, 3, 8, 16) draw); as arithmetic the draws fuse into
+    # the rounding (NVFP4's remaining 4.25 bytes are its blocks' own arithmetic)
+    x = jax.ShapeDtypeStruct((8, 128, 512), jnp.float32)
+    lowered = jax.jit(rounding).lower(x, jax.random.key(0))
+    assert "stablehlo.while" not in lowered.as_text()
+    assert "threefry" not in lowered.as_text()
+    temporaries = lowered.compile().memory_analysis().temp_size_in_bytes
+    assert temporaries <= bytes_per_element * 8 * 128 * 512

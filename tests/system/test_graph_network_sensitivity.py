@@ -23,7 +23,7 @@ import pytest
 
 import jaxscale
 
-GRAPHS, NODES_PER_GRAPH, EDGES_PER_NODE, LATENT, STEPS, TASKS = 8, 12, 2, 64, 3, 16
+GRAPHS, NODES_PER_GRAPH, EDGES_PER_NODE, LATENT, STEPS, TASKS = 8, 12, 2, 64, 2, 16
 
 
 class FeatureMLP(nn.Module):
