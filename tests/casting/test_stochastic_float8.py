@@ -156,19 +156,24 @@ def test_the_draws_are_jaxs_own_uniform_floats(key, shape):
 
 
 @pytest.mark.parametrize(
-    ("rounding", "bytes_per_element"),
-    [(lambda x, key: stochastic_to_float8(x, E4M3, key), 0.01),
-     (lambda x, key: jaxscale.quantize_nvfp4(x, key=key)[0], 4.3)],
+    "rounding",
+    [lambda x, key: stochastic_to_float8(x, E4M3, key),
+     lambda x, key: jaxscale.quantize_nvfp4(x, key=key)[0]],
     ids=["float8", "nvfp4"],
 )  # fmt: skip
-def test_the_draws_are_hashed_where_they_are_read_not_in_jaxs_loop(rounding, bytes_per_element):
+def test_the_draws_are_hashed_where_they_are_read_not_in_jaxs_loop(rounding):
     # JAX lowers Threefry's twenty rounds as a loop on the CPU: its words were 16 bytes
     # per element of temporaries in both roundings, and its compile time grows with the
-    # draw's rank (1.35 s for one (3, 3, 8, 16) draw); as arithmetic the draws fuse into
-    # the rounding (NVFP4's remaining 4.25 bytes are its blocks' own arithmetic)
+    # draw's rank (1.35 s for one (3, 3, 8, 16) draw); as arithmetic they fuse into the
+    # rounding
     x = jax.ShapeDtypeStruct((8, 128, 512), jnp.float32)
     lowered = jax.jit(rounding).lower(x, jax.random.key(0))
     assert "stablehlo.while" not in lowered.as_text()
     assert "threefry" not in lowered.as_text()
-    temporaries = lowered.compile().memory_analysis().temp_size_in_bytes
-    assert temporaries <= bytes_per_element * 8 * 128 * 512
+
+
+def test_a_stochastic_float8_rounding_writes_nothing_but_its_result():
+    # (NVFP4's block arithmetic has temporaries of its own, which vary with XLA's version)
+    x = jax.ShapeDtypeStruct((8, 128, 512), jnp.float32)
+    rounding = jax.jit(lambda x, key: stochastic_to_float8(x, E4M3, key))
+    assert rounding.lower(x, jax.random.key(0)).compile().memory_analysis().temp_size_in_bytes == 0
