@@ -62,8 +62,7 @@ def random_uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     >>> bool((random_uniform(key, (2, 5)) == jax.random.uniform(key, (2, 5))).all())
     True
     """
-    if _key_words(key) is None or not shape or math.prod(shape) >= 1 << 32:
-        return jax.random.uniform(key, shape, jnp.float32)
+    # (from whichever bits random_bits draws: JAX's own uniform floats are made so too)
     mantissa = lax.shift_right_logical(random_bits(key, shape), np.uint32(32 - 23))
     one_to_two = lax.bitcast_convert_type(mantissa | np.uint32(0x3F800000), jnp.float32)
     return one_to_two - np.float32(1.0)
