@@ -230,6 +230,18 @@ def _is_array(value: Any) -> bool:
     return isinstance(value, (jax.Array, np.ndarray, np.generic))
 
 
+# A lax operation given operands of two dtypes fails while the function is traced, before
+# jaxscale sees it: PyTorch's autocast would cast both, but only a traced program can be
+# recast, so the user's code must be valid JAX on its own.
+_MIXED_DTYPES_NOTE = (
+    "jaxscale traces the function as JAX runs it before it changes any dtype, so each "
+    "operation must accept its operands as they are: JAX's lax operations (an Equinox or "
+    "lax convolution, lax.dot_general) take operands of one dtype, where torch.autocast "
+    "would cast them. With half-precision parameters, cast the inputs to their dtype "
+    "(x.astype(jnp.bfloat16)); autocast then runs each operation in its policy's dtype."
+)
+
+
 class TracedCall:
     """``fn(*args, **kwargs)`` traced to a jaxpr, ready to be evaluated anew.
 
@@ -248,6 +260,10 @@ class TracedCall:
             )(self._call.state_leaves, self._call.array_leaves)
         except jax.errors.ConcretizationTypeError as error:
             error.add_note(self._concrete_value_note(str(error)))
+            raise
+        except TypeError as error:
+            if "requires arguments to have the same dtypes" in str(error):
+                error.add_note(_MIXED_DTYPES_NOTE)
             raise
         # A variable may hold a Python number, which the trace took as a weakly typed
         # array: the evaluation is given that array.

@@ -17,6 +17,7 @@ from jaxscale.casting import _higher_order  # noqa: F401  (registers the higher-
 from jaxscale.casting._float8_matmul import recipe_for, rounds_stochastically
 from jaxscale.casting._hidden_state import refuse_inside_hidden_state
 from jaxscale.casting._interpreter import MARKER, Autocaster, Tag, cast_floating
+from jaxscale.casting._matmul_site import LayerFilter
 from jaxscale.casting._nvfp4_matmul import NVFP4Recipe
 from jaxscale.casting._policy import validated_device_type
 from jaxscale.casting._region import DEFAULT_DTYPES, autocast_state
@@ -210,7 +211,12 @@ def autocast(
                 dtype, recipe, device_type, grad_dtype=gradients, float8_filter=site_filter,
                 key=key,
             )  # fmt: skip
-            return _run(autocaster, fn, args, kwargs)
+            if not isinstance(site_filter, LayerFilter):
+                return _run(autocaster, fn, args, kwargs)
+            progress = site_filter.progress()
+            result = _run(autocaster, fn, args, kwargs)
+            site_filter.check_since(progress)  # a filter that found no layer is a mistake
+            return result
 
     return autocast_fn
 

@@ -83,6 +83,19 @@ class MatmulSite:
                 return int(numbered[2])
         return None
 
+    def list_names(self) -> tuple[str, ...]:
+        """The names of the lists this matmul's names index into: ``blocks`` of
+        ``blocks[3]`` (NNX, Equinox) and of ``blocks_3`` (Linen), outermost first."""
+        parts = self.names
+        found: list[str] = []
+        for i, part in enumerate(parts):
+            numbered = _NUMBERED.match(part)
+            if i + 1 < len(parts) and parts[i + 1].isdigit():
+                found.append(part)
+            elif numbered:
+                found.append(numbered[1])
+        return tuple(name for name in found if name.isidentifier())
+
 
 Filter = Callable[[MatmulSite], bool]
 
@@ -135,7 +148,10 @@ def exclude_layers(first: int = 0, last: int = 0, *, name: str = "layers",
     is the index after ``name`` in the site's names (``layers[3]`` of NNX and Equinox,
     ``layers_3`` of Linen), out of ``count`` layers. Matmuls in no layer (an embedding
     projection, the output head) are left to the recipe: combine with
-    :func:`exclude_names` to keep those too.
+    :func:`exclude_names` to keep those too. A function none of whose matmuls is in a
+    layer makes ``autocast`` raise ``ValueError`` naming the lists the weights are in
+    (a list named otherwise than ``name`` would leave the filter keeping nothing); so
+    does a position at or beyond ``count``.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxscale
@@ -152,26 +168,80 @@ def exclude_layers(first: int = 0, last: int = 0, *, name: str = "layers",
             raise ValueError(f"exclude_layers: {label} must be an int >= 0, got {value!r}")
     if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
         raise ValueError(f"exclude_layers: count must be None or an int >= 1, got {count!r}")
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"exclude_layers: name must be a non-empty string, got {name!r}")
+    return LayerFilter(first, last, name, count)
 
-    def keep(site: MatmulSite) -> bool:
+
+class LayerFilter:
+    """The filter :func:`exclude_layers` returns.
+
+    Besides answering each site, it counts the sites it was asked about and those it
+    found in a layer, so that ``autocast`` can refuse a filter that found no layer in a
+    whole function (a list named otherwise than ``name``): it would keep every matmul in
+    the recipe without a word.
+    """
+
+    def __init__(self, first: int, last: int, name: str, count: int | None):
+        self.first, self.last, self.name, self.count = first, last, name, count
+        self.asked = 0
+        self.in_layers = 0
+        self.other_lists: dict[str, None] = {}  # lists the unplaced sites are in, in order
+        self.__qualname__ = f"exclude_layers(first={first}, last={last})"
+
+    def __repr__(self) -> str:
+        return self.__qualname__
+
+    def __call__(self, site: MatmulSite) -> bool:
+        self.asked += 1
         position: int | None
         if site.layer is not None and site.layers is not None:
             position, total = site.layer, site.layers
         else:
-            position = site.list_index(name)
+            position = site.list_index(self.name)
             if position is None:
+                for list_name in site.list_names():
+                    self.other_lists.setdefault(list_name)
                 return True
-            if count is None:
+            where = site.source or site.name_stack or site.weight
+            if self.count is None:
                 raise ValueError(
-                    f"exclude_layers: the matmul at {site.source or site.name_stack} is in "
-                    f"{name}[{position}] of a list of layers, and how many layers the list "
-                    f"has is not known: pass count=len(model.{name})"
+                    f"exclude_layers: the matmul at {where} is in "
+                    f"{self.name}[{position}] of a list of layers, and how many layers the "
+                    f"list has is not known: pass count=len(model.{self.name})"
                 )
-            total = count
-        return first <= position < total - last
+            total = self.count
+            if position >= total:
+                raise ValueError(
+                    f"exclude_layers: the matmul at {where} is in {self.name}[{position}], "
+                    f"beyond count={total} layers: pass count=len(model.{self.name})"
+                )
+        self.in_layers += 1
+        return self.first <= position < total - self.last
 
-    keep.__qualname__ = f"exclude_layers(first={first}, last={last})"
-    return keep
+    def progress(self) -> tuple[int, int]:
+        """``(asked, in_layers)`` so far: what :meth:`check_since` compares with."""
+        return self.asked, self.in_layers
+
+    def check_since(self, progress: tuple[int, int]) -> None:
+        """Raises when the filter was asked about matmuls since ``progress`` and found
+        none of them in a layer (a scan's iteration or ``name[i]``)."""
+        asked, in_layers = progress
+        if self.asked == asked or self.in_layers != in_layers:
+            return
+        found = [n for n in self.other_lists if n != self.name]
+        hint = (
+            f"; the matmuls' weights are in lists named {', '.join(map(repr, found))}: "
+            f"pass name={found[0]!r}"
+            if found
+            else ": a layer is an iteration of a lax.scan over stacked layers, or an "
+            f"element of a list attribute named {self.name!r} (pass name= for another)"
+        )
+        raise ValueError(
+            f"{self.__qualname__} found none of the function's {self.asked - asked} "
+            f"float8 matmuls in a layer, so it would keep none out of the recipe: no "
+            f"matmul is in a scan over layers or in a list named {self.name!r}{hint}"
+        )
 
 
 def auto_filter(recipe: str = "rowwise", exclude: tuple[str, ...] = ()) -> Filter:

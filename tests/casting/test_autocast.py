@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import re
 
+import equinox as eqx
 import flax
 import jax
 import jax.numpy as jnp
@@ -476,6 +477,21 @@ def test_an_array_that_decides_control_flow_is_named_when_tracing_fails():
     assert any("the array argument ['flag']" in note for note in raised.value.__notes__)
     # as a Python bool it is static
     assert jaxscale.autocast(flagged)(w, x, True).dtype == F16
+
+
+def test_a_lax_operation_given_two_dtypes_is_explained_as_a_tracing_error():
+    # An Equinox convolution calls lax.conv_general_dilated, which refuses a float32 input
+    # beside bfloat16 weights while the function is traced: torch.autocast would cast both,
+    # and the note says what to write instead.
+    conv = eqx.nn.Conv2d(3, 4, 3, key=jax.random.key(0))
+    conv = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, conv)
+    image = jnp.ones((3, 8, 8), F32)
+    with pytest.raises(TypeError, match="requires arguments to have the same dtypes") as raised:
+        jaxscale.autocast(conv, dtype=jnp.bfloat16)(image)
+    assert any("cast the inputs to their dtype (x.astype(jnp.bfloat16))" in note
+               for note in raised.value.__notes__)  # fmt: skip
+    cast_first = jaxscale.autocast(conv, dtype=jnp.bfloat16)(image.astype(jnp.bfloat16))
+    assert cast_first.shape == (4, 6, 6)
 
 
 def test_what_is_not_an_array_is_returned_as_the_function_returned_it():

@@ -268,6 +268,45 @@ def test_exclude_layers_finds_a_list_of_layers_by_its_index():
     assert float8_matmuls(lambda x: fn(x), X) == 6  # two layers, three matmuls each
 
 
+class EquinoxBlocks(eqx.Module):
+    """Equinox's idiom: a list attribute of blocks, each applied per example under vmap."""
+
+    blocks: list
+
+    def __init__(self, key):
+        self.blocks = [eqx.nn.Linear(32, 32, key=k) for k in jax.random.split(key, 4)]
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = jnp.tanh(jax.vmap(block)(x))
+        return x
+
+
+def test_a_list_named_otherwise_is_found_by_name_and_its_name_suggested():
+    model = EquinoxBlocks(jax.random.key(0))
+    keep = exclude_layers(first=1, last=1, name="blocks", count=4)
+    fn = jaxscale.autocast(model, dtype=BF16, float8="rowwise", float8_filter=keep)
+    assert float8_matmuls(fn, X) == 6  # blocks[1] and blocks[2], three matmuls each
+    # the default name finds no layer: refused, naming the list the weights are in
+    unnamed = jaxscale.autocast(model, dtype=BF16, float8="rowwise",
+                                float8_filter=exclude_layers(first=1, last=1, count=4))  # fmt: skip
+    with pytest.raises(ValueError, match=r"found none of the function's 4 float8 matmuls in a "
+                       r"layer.*lists named 'blocks': pass name='blocks'"):  # fmt: skip
+        unnamed(X)
+    # a position beyond the count given is a wrong count, not a layer to keep
+    keep = exclude_layers(last=1, name="blocks", count=3)
+    short = jaxscale.autocast(model, dtype=BF16, float8="rowwise", float8_filter=keep)
+    with pytest.raises(ValueError, match=r"blocks\[3\], beyond count=3 layers"):
+        short(X)
+
+
+def test_a_function_without_layers_is_refused_for_a_layer_filter():
+    fn = jaxscale.autocast(lambda w, x: jnp.tanh(x @ w) @ w, dtype=BF16, float8="rowwise",
+                           float8_filter=exclude_layers(first=1))  # fmt: skip
+    with pytest.raises(ValueError, match=r"a layer is an iteration of a lax\.scan over stacked"):
+        fn(jnp.ones((32, 32)), X)
+
+
 def test_linens_numbered_layers_are_found_too():
     site = MatmulSite("Model/layers_3/Dense_0", None, "", ((16, 32), (32, 32)), (16, 32, 32), 0)
     assert site.list_index("layers") == 3
