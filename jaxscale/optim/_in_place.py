@@ -13,11 +13,12 @@ temporaries stay a small constant:
 * A component that writes a narrowed state runs in a loop over slices of its rows
   (strided, so that every slice spans every device's shard of a leaf sharded along
   its leading axis and the loop moves nothing between devices): each iteration reads
-  the slice of the stored state, widens it, computes the new state and the update,
-  narrows the state and writes both back into the arrays they came from, the state
-  into its own buffers and the update into the gradient's. The loop's trip count is
-  fixed when the program is traced, so it reads nothing back from the device (XLA's
-  GPU runtime runs a loop of known trip count without reading its predicate).
+  the slice of the stored state, widens it, computes the new state, narrows it and
+  writes it back into its own buffers. The update is computed on whole arrays,
+  outside the loop, where XLA fuses it into the addition that applies it. The loop's
+  trip count is fixed when the program is traced, so it reads nothing back from the
+  device (XLA's GPU runtime runs a loop of known trip count without reading its
+  predicate).
 * A program that is not elementwise (a matrix preconditioner, a factored moment) is
   computed on whole arrays, as before.
 
@@ -208,10 +209,8 @@ def update_in_place(
     if program is None:  # computed on whole arrays
         new_updates, new_state = update(*arguments)
         new_list = state_tree.flatten_up_to(new_state)
-        narrowed = [
-            slot.narrowed(wide, like)
-            for slot, wide, like in zip(slot_list, new_list, stored_list, strict=True)
-        ]
+        leaves = zip(slot_list, new_list, wide_list, stored_list, strict=True)
+        narrowed = [_narrowed_unless_unchanged(*leaf) for leaf in leaves]
         return new_updates, jax.tree.unflatten(state_tree, narrowed)
 
     update_tree = update_trees[-1]
@@ -223,7 +222,12 @@ def update_in_place(
     grads_count = len(jax.tree.leaves(updates))
     state_inputs = range(grads_count, grads_count + len(wide_list))
     narrowed_list: list[Any] = [None] * len(slot_list)
-    for component, members in _components(program, slot_list, count).items():
+    # a leaf the update returns as it took it is kept as stored, not quantized again
+    for index in range(len(slot_list)):
+        if program.outvars[count + index] is program.invars[state_inputs[index]]:
+            narrowed_list[index] = stored_list[index]
+    kept = {index for index, leaf in enumerate(narrowed_list) if leaf is not None}
+    for component, members in _components(program, slot_list, count, kept).items():
         results = _run_component(
             program, component, members, slot_list, stored_list, flat, values,
             state_inputs, count,
@@ -242,13 +246,28 @@ def update_in_place(
     )
 
 
-def _components(program: ElementwiseProgram, slots: list[Slot], count: int) -> dict[int, list[int]]:
+def _narrowed_unless_unchanged(slot: Slot, new: Any, old: Any, stored: Any) -> Any:
+    """``new`` stored as ``slot`` says, or the stored leaf itself where the update left
+    the whole leaf as it was: a block format's codes and scales quantized again from
+    their own values are not always the same (a block's largest value may not be on
+    the map's ends), so an update that changes nothing (``optax.MultiSteps`` between
+    its applied steps, a transform that skips) would move the state each time."""
+    narrowed = slot.narrowed(new, stored)
+    if slot.kind != "blocks":
+        return narrowed  # a cast back and forth is exact
+    unchanged = jnp.all((new == old) | (jnp.isnan(new) & jnp.isnan(old)))
+    return jax.tree.map(lambda kept, made: jnp.where(unchanged, kept, made), stored, narrowed)
+
+
+def _components(
+    program: ElementwiseProgram, slots: list[Slot], count: int, kept: set[int]
+) -> dict[int, list[int]]:
     """For each component whose new state is stored narrow, the state leaves it writes
-    (indices into the flat state)."""
+    (indices into the flat state), but those ``kept`` as they are."""
     found: dict[int, list[int]] = {}
     for index, slot in enumerate(slots):
         component = program.component_of(program.outvars[count + index])
-        if component is not None and slot.kind != "as is":
+        if component is not None and slot.kind != "as is" and index not in kept:
             found.setdefault(component, []).append(index)
     return found
 

@@ -43,9 +43,29 @@ BFLOAT16 = np.dtype(jnp.bfloat16)
 SMALLEST_QUANTIZED = 4096
 # optax's names for second moments, which torchao stores with the unsigned map
 SECOND_MOMENTS = ("nu", "nu_max")
-# jaxscale's own states whose other fields are parameters (master copies, Kahan
-# compensation), not statistics: only their inner_state is narrowed
-_PARAMETER_SIDE = (MasterWeightsState, KahanSummationState)
+
+
+def _parameter_side() -> dict[type, str | None]:
+    """States whose fields hold parameters or gradients beside an optimizer's state:
+    each type, and the field that holds the wrapped optimizer's state (``None``: none),
+    the only field narrowed. Everything else in them is kept as it is: jaxscale's master
+    copies and Kahan compensation, optax's accumulated gradients (``MultiSteps``,
+    ``apply_every``) and schedule-free's ``z`` (a sequence of parameters). Quantized,
+    those would be parameters or gradients rounded to 8 bits, which no recipe does."""
+    side: dict[type, str | None] = {
+        MasterWeightsState: "inner_state",
+        KahanSummationState: "inner_state",
+        optax.MultiStepsState: "inner_opt_state",
+        optax.ApplyEvery: None,
+    }
+    schedule_free = getattr(getattr(optax, "contrib", None), "ScheduleFreeState", None)
+    if schedule_free is not None:
+        side[schedule_free] = "base_optimizer_state"
+    return side
+
+
+_PARAMETER_SIDE = _parameter_side()
+_PARAMETER_TYPES: Any = tuple(_PARAMETER_SIDE)  # (Any: isinstance keeps nodes Any)
 
 
 class BlockQuantized(NamedTuple):
@@ -104,18 +124,21 @@ def low_precision_state(
     skipped steps); a change in ``inner``'s own structure or shapes is an error that
     names the leaf. Master copies and Kahan compensation buffers of jaxscale's
     transforms inside ``inner`` are parameters, not statistics, and are left as they
-    are.
+    are; so are the gradients ``optax.MultiSteps`` and ``optax.apply_every`` accumulate
+    and schedule-free's ``z`` (their wrapped optimizer's state is narrowed).
 
-    Memory. Where ``inner``'s update is elementwise in its arrays (Adam, AdamW, SGD
-    with momentum, Lion, RMSProp and the like, with any scalar schedule or global
-    gradient-norm clipping), each parameter's state is widened, updated and narrowed a
-    slice at a time, written back into its own buffers and the update into the
-    gradient's, so the compiled step needs no widened copy of the state: with
-    donated state and gradients an 8-bit Adam step's temporaries are a small constant
-    per parameter. Other optimizers are computed on whole arrays. ``init`` stores a
-    state that ``inner`` fills with a constant (Adam's zeros) without quantizing it:
-    a zero leaf is stored as torchao stores one (codes and scales zero), another
-    constant as its quantized value, so ``jax.jit(tx.init)`` compiles at once.
+    Memory. Where ``inner``'s update is elementwise in its arrays (Adam, AdamW, SGD with
+    momentum, Lion, RMSProp and the like, with any scalar schedule or global gradient-
+    norm clipping), each parameter's state is widened, updated and narrowed a slice at a
+    time and written back into its own buffers, so the compiled step needs no widened
+    copy of the state; the update itself is computed on whole arrays, where XLA fuses it
+    into the addition that applies it. With donated state an 8-bit Adam step's
+    temporaries are about 2 bytes per parameter (on a CPU, a copy of the old codes,
+    which that fused update reads after the loop has written the new ones). Other
+    optimizers are computed on whole arrays. ``init`` stores a state that ``inner``
+    fills with a constant (Adam's zeros) without quantizing it: a zero leaf is stored as
+    torchao stores one (codes and scales zero), another constant as its quantized value,
+    so ``jax.jit(tx.init)`` compiles at once.
 
     Args:
       inner: the optimizer, e.g. ``optax.adamw(1e-3)``.
@@ -306,17 +329,19 @@ def _slot_tree(slot_of: Any, stored: Any) -> Any:
     for the parameter side of jaxscale's own states."""
 
     def is_leaf(node: Any) -> bool:
-        return isinstance(node, (BlockQuantized, *_PARAMETER_SIDE))
+        return isinstance(node, (BlockQuantized, *_PARAMETER_TYPES))
 
     def visit(path: tuple[Any, ...], node: Any) -> Any:
-        if not isinstance(node, _PARAMETER_SIDE):
+        if not isinstance(node, _PARAMETER_TYPES):
             return slot_of(path, node)
+        inner = _PARAMETER_SIDE[type(node)]
         fields = {
             name: jax.tree.map(lambda _: AS_IS, getattr(node, name))
+            if name != inner
+            else _slot_tree(slot_of, getattr(node, name))
             for name in node._fields
-            if name != "inner_state"
         }
-        return node._replace(**fields, inner_state=_slot_tree(slot_of, node.inner_state))
+        return node._replace(**fields)
 
     return jax.tree_util.tree_map_with_path(visit, stored, is_leaf=is_leaf)
 
@@ -333,18 +358,20 @@ def _signed(path: tuple[Any, ...]) -> bool:
 
 def _statistics_map(fn: Any, state: Any, path: tuple[Any, ...] = ()) -> Any:
     """``fn(path, leaf)`` on each leaf (a :class:`BlockQuantized` counts as one) of
-    ``state``, except the parameter side of jaxscale's own states."""
+    ``state``, except the parameter side of the states in ``_PARAMETER_SIDE``."""
 
     def is_leaf(node: Any) -> bool:
-        return isinstance(node, (BlockQuantized, *_PARAMETER_SIDE)) or is_variable(node)
+        return isinstance(node, (BlockQuantized, *_PARAMETER_TYPES)) or is_variable(node)
 
     def visit(subpath: tuple[Any, ...], node: Any) -> Any:
-        if not isinstance(node, _PARAMETER_SIDE):
+        if not isinstance(node, _PARAMETER_TYPES):
             return fn(path + subpath, node)
+        inner = _PARAMETER_SIDE[type(node)]
+        if inner is None:
+            return node
+        key = jax.tree_util.GetAttrKey(inner)
         return node._replace(
-            inner_state=_statistics_map(
-                fn, node.inner_state, path + subpath + (jax.tree_util.GetAttrKey("inner_state"),)
-            )
+            **{inner: _statistics_map(fn, getattr(node, inner), path + subpath + (key,))}
         )
 
     return jax.tree_util.tree_map_with_path(visit, state, is_leaf=is_leaf)

@@ -721,3 +721,68 @@ def test_kahan_compensation_under_low_precision_state_is_kept_in_the_parameters_
     assert isinstance(state, jaxscale.KahanSummationState)
     assert state.compensation["w"].dtype == BF16
     assert isinstance(state.inner_state[0].mu["w"], jaxscale.BlockQuantized)
+
+
+RNG_STEPS = np.random.default_rng(7).normal(size=(5, 64, 128))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_accumulated_gradients_and_schedule_free_iterates_are_not_narrowed(dtype):
+    # optax.MultiSteps and apply_every accumulate gradients, schedule-free keeps a sequence
+    # of parameters: only the optimizer state inside them is narrowed
+    params = {"w": jnp.asarray(RNG_STEPS[-1] / 10, F32)}
+    wrapped = {
+        "MultiSteps": third_party.optimizer(optax.MultiSteps(adamw(), 2)),
+        "schedule_free": third_party.optimizer(optax.contrib.schedule_free_adamw(1e-3)),
+        "apply_every": third_party.optimizer(optax.chain(optax.apply_every(2), adamw())),
+    }
+    narrow = BF16 if dtype == "bfloat16" else jaxscale.BlockQuantized
+    for name, inner in wrapped.items():
+        state = jaxscale.low_precision_state(inner, dtype).init(params).inner_state
+        kept, statistics = {
+            "MultiSteps": lambda s: (s.acc_grads, s.inner_opt_state[0].mu),
+            "schedule_free": lambda s: (s.z, s.base_optimizer_state[0].nu),
+            "apply_every": lambda s: (s[0].grad_acc, s[1][0].mu),
+        }[name](state)
+        assert kept["w"].dtype == F32, name
+        stat = statistics["w"]
+        assert (stat.dtype == BF16) if narrow is BF16 else isinstance(stat, narrow), name
+
+    # outside or inside MultiSteps, the same steps: accumulated in float32 either way
+    def run(tx):
+        state, p = tx.init(params), params
+        for index in range(4):
+            grads = {"w": jnp.asarray(RNG_STEPS[index], F32)}
+            updates, state = jax.jit(tx.update)(grads, state, p)
+            p = optax.apply_updates(p, updates)
+        return p
+
+    inside = optax.MultiSteps(jaxscale.low_precision_state(adamw(), dtype), 2)
+    outside = jaxscale.low_precision_state(
+        third_party.optimizer(optax.MultiSteps(adamw(), 2)), dtype
+    )
+    np.testing.assert_array_equal(run(third_party.optimizer(inside))["w"], run(outside)["w"])
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn", "int4"])
+def test_a_state_the_update_leaves_as_it_was_is_stored_as_it_was(dtype):
+    # quantizing a block's dequantized values again need not give its codes and scale back
+    # (the signed map's ends are not symmetric), so a state passed through unchanged is
+    # kept as stored: on whole arrays (a non-elementwise optimizer) and in slices
+    params = {"w": jnp.asarray(RNG_STEPS[-1] / 10, F32)}
+    grads = {"w": jnp.asarray(RNG_STEPS[0], F32)}
+    state = jaxscale.low_precision_state(adamw(), dtype).init(params)
+    state = jaxscale.low_precision_state(adamw(), dtype).update(grads, state, params)[1]
+
+    def passing_through(update):
+        return optax.GradientTransformation(adamw().init, update)
+
+    elementwise = passing_through(lambda u, s, p=None: (u, s))
+    whole = passing_through(lambda u, s, p=None: (jax.tree.map(jnp.flip, u), s))
+    for inner in (elementwise, whole):
+        tx = jaxscale.low_precision_state(inner, dtype)
+        kept = jax.jit(tx.update)(grads, state, params)[1]
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(kept), strict=True):
+            np.testing.assert_array_equal(
+                np.asarray(a).reshape(-1).view(np.uint8), np.asarray(b).reshape(-1).view(np.uint8)
+            )
