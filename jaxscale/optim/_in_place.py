@@ -255,8 +255,17 @@ def _narrowed_unless_unchanged(slot: Slot, new: Any, old: Any, stored: Any) -> A
     narrowed = slot.narrowed(new, stored)
     if slot.kind != "blocks":
         return narrowed  # a cast back and forth is exact
-    unchanged = jnp.all((new == old) | (jnp.isnan(new) & jnp.isnan(old)))
-    return jax.tree.map(lambda kept, made: jnp.where(unchanged, kept, made), stored, narrowed)
+    layout, _ = slot.blocks
+    same = (new == old) | (jnp.isnan(new) & jnp.isnan(old))
+    # decided row by row: a row's blocks lie on one device under a sharding of the leading
+    # axes, so the decision needs no collective
+    unchanged = jnp.all(same.reshape(layout.rows, -1), axis=1, keepdims=True)
+
+    def chosen(kept: Any, made: Any) -> Any:
+        rows = jnp.where(unchanged, kept.reshape(layout.rows, -1), made.reshape(layout.rows, -1))
+        return rows.reshape(kept.shape)
+
+    return jax.tree.map(chosen, stored, narrowed)
 
 
 def _components(
