@@ -65,36 +65,42 @@ class MatmulSite:
     def names(self) -> tuple[str, ...]:
         """Every part of :attr:`name_stack` and :attr:`weight`: the names a pattern of
         :func:`exclude_names` is matched against one by one."""
-        parts: list[str] = []
-        for text in (self.name_stack, self.weight or ""):
-            parts.extend(next(p for p in match.groups() if p is not None)
-                         for match in _PATH_PART.finditer(text))  # fmt: skip
-        return tuple(parts)
+        return tuple(_parts(self.name_stack) + _parts(self.weight or ""))
+
+    def _paths(self) -> tuple[list[str], list[str]]:
+        """The name stack's parts, and the weight path's without the argument position
+        it starts with (``[0]``), each read apart: an index in one is not the other's."""
+        return _parts(self.name_stack), _parts(self.weight or "")[1:]
 
     def list_index(self, name: str) -> int | None:
         """The position of this matmul's layer in a list attribute ``name`` (NNX's and
         Equinox's ``layers[3]``, Linen's ``layers_3``), or ``None``."""
-        parts = self.names
-        for i, part in enumerate(parts):
-            if part == name and i + 1 < len(parts) and parts[i + 1].isdigit():
-                return int(parts[i + 1])
-            numbered = _NUMBERED.match(part)
-            if numbered and numbered[1] == name:
-                return int(numbered[2])
+        for parts in self._paths():
+            for i, part in enumerate(parts):
+                if part == name and i + 1 < len(parts) and parts[i + 1].isdigit():
+                    return int(parts[i + 1])
+                numbered = _NUMBERED.match(part)
+                if numbered and numbered[1] == name:
+                    return int(numbered[2])
         return None
 
     def list_names(self) -> tuple[str, ...]:
         """The names of the lists this matmul's names index into: ``blocks`` of
-        ``blocks[3]`` (NNX, Equinox) and of ``blocks_3`` (Linen), outermost first."""
-        parts = self.names
+        ``blocks[3]`` (NNX, Equinox) and of ``blocks_3`` (Linen, Haiku), outermost first."""
         found: list[str] = []
-        for i, part in enumerate(parts):
-            numbered = _NUMBERED.match(part)
-            if i + 1 < len(parts) and parts[i + 1].isdigit():
-                found.append(part)
-            elif numbered:
-                found.append(numbered[1])
-        return tuple(name for name in found if name.isidentifier())
+        for parts in self._paths():
+            for i, part in enumerate(parts):
+                numbered = _NUMBERED.match(part)
+                if i + 1 < len(parts) and parts[i + 1].isdigit():
+                    found.append(part)
+                elif numbered:
+                    found.append(numbered[1])
+        return tuple(dict.fromkeys(name for name in found if name.isidentifier()))
+
+
+def _parts(text: str) -> list[str]:
+    """A name stack's or a path's parts (see ``_PATH_PART``)."""
+    return [next(p for p in match.groups() if p is not None) for match in _PATH_PART.finditer(text)]
 
 
 Filter = Callable[[MatmulSite], bool]

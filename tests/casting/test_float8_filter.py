@@ -307,6 +307,35 @@ def test_a_function_without_layers_is_refused_for_a_layer_filter():
         fn(jnp.ones((32, 32)), X)
 
 
+def test_a_weights_argument_position_is_not_a_layer_index():
+    # Haiku's module "layers" (a name stack) beside its weight "[0]['layers']['w']": the
+    # 0 is the function's first argument, not layer 0 of a list
+    site = MatmulSite("layers", "[0]['layers']['w']", "", ((16, 32), (32, 32)), (16, 32, 32), 0)
+    assert site.list_index("layers") is None
+    assert site.list_names() == ()
+    numbered = MatmulSite("block_2", "[0]['block_2']['w']", "", ((16, 32), (32, 32)),
+                          (16, 32, 32), 0)  # fmt: skip
+    assert numbered.list_index("block") == 2
+    assert numbered.list_names() == ("block",)
+
+
+def test_haikus_numbered_modules_are_suggested_by_their_name():
+    def forward(x):
+        for i in range(4):
+            x = jax.nn.relu(hk.Linear(32, name=f"block_{i}")(x))
+        return hk.Linear(16, name="head")(x)
+
+    model = hk.without_apply_rng(hk.transform(forward))
+    params = model.init(jax.random.key(0), X)
+    unnamed = exclude_layers(first=1, count=4)
+    fn = jaxscale.autocast(model.apply, dtype=BF16, float8="rowwise", float8_filter=unnamed)
+    with pytest.raises(ValueError, match=r"in lists named 'block': pass name='block'$"):
+        fn(params, X)
+    keep = exclude_layers(first=1, name="block", count=4)
+    fn = jaxscale.autocast(model.apply, dtype=BF16, float8="rowwise", float8_filter=keep)
+    assert float8_matmuls(lambda x: fn(params, x), X) == 12  # blocks 1-3 and the head
+
+
 def test_linens_numbered_layers_are_found_too():
     site = MatmulSite("Model/layers_3/Dense_0", None, "", ((16, 32), (32, 32)), (16, 32, 32), 0)
     assert site.list_index("layers") == 3
