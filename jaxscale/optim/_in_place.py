@@ -247,11 +247,11 @@ def update_in_place(
 
 
 def _narrowed_unless_unchanged(slot: Slot, new: Any, old: Any, stored: Any) -> Any:
-    """``new`` stored as ``slot`` says, or the stored leaf itself where the update left
-    the whole leaf as it was: a block format's codes and scales quantized again from
-    their own values are not always the same (a block's largest value may not be on
-    the map's ends), so an update that changes nothing (``optax.MultiSteps`` between
-    its applied steps, a transform that skips) would move the state each time."""
+    """``new`` stored as ``slot`` says, but for the rows of blocks the update left as they
+    were, which keep their stored codes and scales: a block format's codes and scales
+    quantized again from their own values are not always the same (a block's largest
+    value may not be on the map's ends), so an update that changes nothing
+    (``optax.MultiSteps`` between its applied steps) would move the state each time."""
     narrowed = slot.narrowed(new, stored)
     if slot.kind != "blocks":
         return narrowed  # a cast back and forth is exact

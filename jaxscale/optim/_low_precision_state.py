@@ -68,6 +68,11 @@ _PARAMETER_SIDE = _parameter_side()
 _PARAMETER_TYPES: Any = tuple(_PARAMETER_SIDE)  # (Any: isinstance keeps nodes Any)
 
 
+def _inner_field(node: Any) -> str | None:
+    """The field of a ``_PARAMETER_SIDE`` state that holds its wrapped optimizer's state."""
+    return next(field for kind, field in _PARAMETER_SIDE.items() if isinstance(node, kind))
+
+
 class BlockQuantized(NamedTuple):
     """One leaf of an optimizer state in a block-wise format (:func:`quantize_blockwise`).
 
@@ -326,7 +331,7 @@ def _scale_sharding(node: Any, layout: BlockLayout) -> tuple[Any, ...] | None:
 
 def _slot_tree(slot_of: Any, stored: Any) -> Any:
     """A :class:`Slot` for each stored leaf: as ``slot_of`` says for the statistics, as is
-    for the parameter side of jaxscale's own states."""
+    for the parameter side of the states in ``_PARAMETER_SIDE``."""
 
     def is_leaf(node: Any) -> bool:
         return isinstance(node, (BlockQuantized, *_PARAMETER_TYPES))
@@ -334,7 +339,7 @@ def _slot_tree(slot_of: Any, stored: Any) -> Any:
     def visit(path: tuple[Any, ...], node: Any) -> Any:
         if not isinstance(node, _PARAMETER_TYPES):
             return slot_of(path, node)
-        inner = _PARAMETER_SIDE[type(node)]
+        inner = _inner_field(node)
         fields = {
             name: jax.tree.map(lambda _: AS_IS, getattr(node, name))
             if name != inner
@@ -366,7 +371,7 @@ def _statistics_map(fn: Any, state: Any, path: tuple[Any, ...] = ()) -> Any:
     def visit(subpath: tuple[Any, ...], node: Any) -> Any:
         if not isinstance(node, _PARAMETER_TYPES):
             return fn(path + subpath, node)
-        inner = _PARAMETER_SIDE[type(node)]
+        inner = _inner_field(node)
         if inner is None:
             return node
         key = jax.tree_util.GetAttrKey(inner)
