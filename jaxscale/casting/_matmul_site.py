@@ -68,9 +68,10 @@ class MatmulSite:
         return tuple(_parts(self.name_stack) + _parts(self.weight or ""))
 
     def _paths(self) -> tuple[list[str], list[str]]:
-        """The name stack's parts, and the weight path's without the argument position
-        it starts with (``[0]``), each read apart: an index in one is not the other's."""
-        return _parts(self.name_stack), _parts(self.weight or "")[1:]
+        """The name stack's parts and the weight path's, read apart: the argument position
+        a path starts with (``[0]``) follows no name of its own, and would follow the name
+        stack's last part if the two were read as one."""
+        return _parts(self.name_stack), _parts(self.weight or "")
 
     def list_index(self, name: str) -> int | None:
         """The position of this matmul's layer in a list attribute ``name`` (NNX's and
