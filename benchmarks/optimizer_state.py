@@ -16,7 +16,9 @@ float32 parameters:
 Memory is read from the step compiled on abstract shapes (``jax.ShapeDtypeStruct``;
 nothing is allocated), as bytes per parameter: at rest (the step's arguments:
 parameters, gradients and state), the temporaries XLA needs on top, and the peak
-(their sum, with any output not written into a donated argument). ``--torch cpu``
+(their sum, with any output not written into a donated argument); then the same for a
+training step that computes its gradients (from a matmul per leaf), whose gradients
+are temporaries and may be overwritten. ``--torch cpu``
 also times torchao's optimizers against PyTorch's fused ``AdamW`` on the same layout
 (torchao compiles its step with ``torch.compile``, as it ships).
 
@@ -141,6 +143,37 @@ def memory(dtype: Any, make_tx: Callable[[], Any], n_params: int, n_leaves: int)
     }
 
 
+def training_step_memory(
+    dtype: Any, make_tx: Callable[[], Any], n_params: int, n_leaves: int
+) -> dict:
+    """Bytes per parameter of a donated training step that computes its gradients (each
+    leaf's from a matmul, as a layer's are, so XLA writes them out): at rest (parameters
+    and state), the temporaries (the gradients among them), those beyond the gradients'
+    own bytes, and the peak."""
+    tx = make_tx()
+    params = abstract_parameters(n_params, n_leaves, dtype)
+    state = jax.eval_shape(tx.init, params)
+
+    def step(params: Any, state: Any, mixing: Any) -> tuple[Any, Any]:
+        grads = jax.tree.map(
+            lambda p: (p.reshape(-1, 256) @ mixing.astype(p.dtype)).reshape(p.shape), params
+        )
+        return step_of(tx)(params, state, grads)
+
+    mixing = jax.ShapeDtypeStruct((256, 256), F32)  # (its bytes are left out below)
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, mixing).compile()
+    analysis = compiled.memory_analysis()
+    count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+    at_rest = (analysis.argument_size_in_bytes - 256 * 256 * 4) / count
+    temporaries = analysis.temp_size_in_bytes / count
+    return {
+        "at rest": at_rest,
+        "temporaries": temporaries,
+        "beyond the gradients": temporaries - jnp.dtype(dtype).itemsize,
+        "peak": at_rest + temporaries,
+    }
+
+
 class TorchStepper(Stepper):
     """A torch optimizer stepping parameters of the layout with fixed gradients."""
 
@@ -215,6 +248,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(
             f"| {name} | {row['at rest']:.2f} | {row['temporaries']:.2f} | {row['peak']:.2f} "
             f"| {row['state']:.3f} |",
+            flush=True,
+        )
+    print(f"\nThe training step that computes its gradients, {args.layout}, bytes per parameter:\n")
+    print("| variant | at rest | temporaries | beyond the gradients | peak |")
+    print("|---|---|---|---|---|")
+    for name, (dtype, make_tx) in VARIANTS.items():
+        row = training_step_memory(dtype, make_tx, n_params, n_leaves)
+        footprint[name]["training step"] = row
+        print(
+            f"| {name} | {row['at rest']:.2f} | {row['temporaries']:.2f} "
+            f"| {row['beyond the gradients']:.2f} | {row['peak']:.2f} |",
             flush=True,
         )
     if args.memory_only:

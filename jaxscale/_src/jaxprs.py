@@ -18,8 +18,10 @@ so that
 Everything here uses ``jax.extend``, JAX's interface for libraries that
 transform jaxprs, and the rule tables of ``jax.interpreters`` (for the one
 primitive jaxscale defines, an identity that marks a value), and nothing else
-from JAX's internals but one name: JAX 0.10.0 defines ``compute_on``'s function
-form without exporting it. The test for a traced value
+from JAX's internals but two names: JAX 0.10.0 defines ``compute_on``'s function
+form without exporting it, and only the tracer of a staged function
+(``DynamicJaxprTracer``) tells an argument of the function from a value computed in it
+(:func:`is_staged_argument`). The test for a traced value
 (``jax.core.Tracer``), which every layer asks before reading a number or checking an
 argument, is here too, so that one module follows where JAX keeps it."""
 
@@ -52,6 +54,28 @@ def is_traced(value: Any) -> bool:
     """Whether ``value`` is a tracer: known only when the traced function runs, so
     neither readable as a Python number nor checkable before then."""
     return isinstance(value, jax.core.Tracer)
+
+
+def is_staged_argument(value: Any) -> bool:
+    """Whether XLA will receive ``value`` as an argument of the program being compiled:
+    a concrete array, or an argument of the function ``jax.jit`` is tracing (rather
+    than a value computed in it). An argument's buffer is the caller's (or, donated,
+    an output's), so a program that writes into it writes into a copy first; a value
+    computed in the program has a buffer of its own. Where JAX's tracer cannot be read
+    (another kind of tracer, or a JAX that keeps it otherwise), ``False``."""
+    if not is_traced(value):
+        return True
+    try:
+        from jax._src.interpreters.partial_eval import DynamicJaxprTracer
+    except ImportError:  # pragma: no cover - a JAX that moved it
+        return False
+    if not isinstance(value, DynamicJaxprTracer):
+        return False
+    try:
+        invars = value._trace.frame.invars
+        return value.parent is None and any(var is value.val for var in invars)
+    except AttributeError:  # pragma: no cover - a JAX that keeps them otherwise
+        return False
 
 
 def is_ref(value: Any) -> bool:

@@ -14,8 +14,12 @@ temporaries stay a small constant:
   (strided, so that every slice spans every device's shard of a leaf sharded along
   its leading axis and the loop moves nothing between devices): each iteration reads
   the slice of the stored state, widens it, computes the new state, narrows it and
-  writes it back into its own buffers. The update is computed on whole arrays,
-  outside the loop, where XLA fuses it into the addition that applies it. The loop's
+  writes it back into its own buffers. Where the gradient is a value the step
+  computed (a training step's), the loop writes each slice of the update into the
+  gradient's buffer too, so that nothing reads the old state after it; where the
+  gradient was passed in (an argument XLA would copy to write into), the update is
+  computed on whole arrays, outside the loop, where XLA fuses it into the addition
+  that applies it, and XLA keeps a copy of the old narrow state for it. The loop's
   trip count is fixed when the program is traced, so it reads nothing back from the
   device (XLA's GPU runtime runs a loop of known trip count without reading its
   predicate).
@@ -41,6 +45,7 @@ from jax import lax
 
 from jaxscale._src.deferred import elementwise_origin
 from jaxscale._src.elementwise import ElementwiseProgram
+from jaxscale._src.jaxprs import is_staged_argument
 from jaxscale.core import skip_applied, skip_predicate
 from jaxscale.optim._blockwise import (
     BlockFormat,
@@ -294,7 +299,7 @@ def _run_component(
 ) -> dict[int, Any]:
     """One component's new state computed in place, slice by slice: each stored leaf, by
     flat output index (the updates' count first). Its updates are computed on whole
-    arrays, where XLA fuses them into the step that applies them."""
+    arrays where they cannot be written into their gradients' buffers."""
     outvars = program.outvars
     state_outputs = [
         i
@@ -331,38 +336,94 @@ def _run_component(
         other_values.append(value if origin is None else origin[0])
         other_functions.append(None if origin is None else origin[1])
     wanted = [outvars[count + i] for i in state_outputs]
-    rows, row_length = layout.rows, layout.row_length
-    # Only a block format needs a loop: its scales are maxima over blocks, which XLA
-    # computes from a widened copy of whatever it reduces. A state stored element by
-    # element (bfloat16) is read and written in one elementwise pass, which XLA fuses
-    # and writes in place without help (where a loop's slice of an array read and
-    # updated in one fusion would make XLA's CPU backend copy the array per iteration).
+    # A block format needs a loop: its scales are maxima over blocks, which XLA computes
+    # from a widened copy of whatever it reduces. A state stored element by element
+    # (bfloat16) is read and written in one elementwise pass, which XLA fuses and
+    # writes in place.
     blocks = any(slots[i].kind == "blocks" for i in narrowed)
+    # In the loop, each update the component computes is written, slice by slice, into
+    # the buffer of the gradient of its leaf where the shapes and dtypes allow: then
+    # nothing reads the old state after the loop, and XLA need not keep a copy of it
+    # for an update computed outside. (For a bfloat16 state the same would save the
+    # copy too, but its step in a loop measured slower on a CPU than the copy costs.)
+    carriers = (
+        _gradient_carriers(program, component, count, shape, others, other_values, other_functions)
+        if blocks
+        else {}
+    )
+    for position, _ in carriers.values():
+        del others[position], other_values[position], other_functions[position]
+    rows, row_length = layout.rows, layout.row_length
     counts = {
         platform: trip_count(rows, row_length, elements) if blocks else 1
         for platform, elements in slice_sizes().items()
     }
+    update_indices = list(carriers)
+    carrier_inputs = [carriers[k][1] for k in update_indices]
 
-    def run(iterations: int) -> list[list[Any]]:
-        carry = _loop(
+    def run(iterations: int) -> tuple[list[list[Any]], list[Any]]:
+        state_arrays, update_arrays = _loop(
             program, component, wanted, carried, sources, others, other_values,
             other_functions, values, rows, row_length, iterations,
+            [outvars[k] for k in update_indices], carrier_inputs,
         )  # fmt: skip
         return [
             [a.reshape(np.shape(like)) for a, like in zip(new, old, strict=True)]
-            for new, (_, old) in zip(carry, carried, strict=True)
-        ]
+            for new, (_, old) in zip(state_arrays, carried, strict=True)
+        ], [a.reshape(shape) for a in update_arrays]
 
     if len(set(counts.values())) == 1:
-        carry = run(counts["cpu"])
+        carry, updates = run(counts["cpu"])
     else:  # the trip count the compiling platform wants, chosen when XLA lowers the step
-        carry = lax.platform_dependent(
+        carry, updates = lax.platform_dependent(
             **{platform: functools.partial(run, count) for platform, count in counts.items()}
         )
-    return {
+    results = {
         count + i: slots[i].stored(carry[position], stored[i])
         for position, i in enumerate(state_outputs)
     }
+    if skip_predicate() is not None:
+        # marked as returned (after the platform's choice and the reshapes), where the
+        # skip's rewrite sees the mark
+        results = {i: jax.tree.map(skip_applied, leaf) for i, leaf in results.items()}
+    results.update(zip(update_indices, updates, strict=True))
+    return results
+
+
+def _gradient_carriers(
+    program: ElementwiseProgram,
+    component: int,
+    count: int,
+    shape: tuple[int, ...],
+    others: list[Any],
+    other_values: list[Any],
+    other_functions: list[Callable[[Any], Any] | None],
+) -> dict[int, tuple[int, tuple[Any, Any, Callable[[Any], Any] | None]]]:
+    """For each update of ``component`` (by flat output index) written into its
+    gradient's buffer: the gradient's position in ``others`` (positions in descending
+    order, so that they can be deleted in turn) and ``(variable, source, function)``.
+    An update is written where the program's input of the same index (the gradient of
+    the same leaf) is read by the component, and it, or the array it is computed from
+    elementwise, has the update's shape and dtype and is computed in the step (as a
+    training step computes its gradients) rather than passed to it."""
+    found = {}
+    for k in range(count):
+        var = program.outvars[k]
+        if program.component_of(var) != component or tuple(var.aval.shape) != shape:
+            continue
+        gradient = program.invars[k]
+        if gradient not in others:
+            continue
+        position = others.index(gradient)
+        source = other_values[position]  # (the array the gradient is computed from)
+        if np.shape(source) != shape or jnp.result_type(source) != var.aval.dtype:
+            continue
+        if is_staged_argument(source):
+            # XLA would copy an argument's buffer to write into it, where the update
+            # computed on whole arrays needs only a copy of the narrow old state
+            continue
+        found[k] = (position, (gradient, source, other_functions[position]))
+    return dict(sorted(found.items(), key=lambda item: -item[1][0]))
 
 
 def _loop(
@@ -378,59 +439,117 @@ def _loop(
     rows: int,
     row_length: int,
     iterations: int,
-) -> list[list[Any]]:
+    updates: list[Any],
+    carrier_inputs: list[tuple[Any, Any, Callable[[Any], Any] | None]],
+) -> tuple[list[list[Any]], list[Any]]:
     """The carried arrays after ``iterations`` iterations, each over every
     ``iterations``-th row: the component evaluated on the slice, the new state written
-    in place."""
+    in place, and each of ``updates`` written into the buffer of its gradient
+    (``carrier_inputs``: the input variable, its source array and the function that
+    computes it from the source's slice).
+
+    The loop is pipelined: an iteration computes from slices the previous one read,
+    writes its results, then reads the next slices from the arrays it has written.
+    Every read of a carried array thus follows every write to it, so XLA updates each
+    one in place (where an iteration reading one carried array to write another made
+    XLA's CPU backend copy every carried array per iteration)."""
     group = rows // iterations
 
     def as_rows(array: Any) -> Any:  # (group, iterations, per row) views: strided slices
         return array.reshape(group, iterations, -1)
 
-    carry = [[as_rows(a) for a in arrays] for _, arrays in carried]
+    def piece(array: Any, step: Any) -> Any:
+        start = (0, step, 0)
+        return lax.dynamic_slice(array, start, (array.shape[0], 1, array.shape[2]))[:, 0]
+
+    arrays = [[as_rows(a) for a in stored] for _, stored in carried]
+    arrays += [[as_rows(_as_bits(source))] for _, source, _ in carrier_inputs]
     other_dtypes = [jnp.result_type(v) for v in other_values]
     other_rows = [as_rows(_as_bits(v)) for v in other_values]
+    carrier_dtypes = [jnp.result_type(source) for _, source, _ in carrier_inputs]
+    wanted_all = [*wanted, *updates]
 
-    def body(step: Any, carry: list[list[Any]]) -> list[list[Any]]:
-        def piece(array: Any) -> Any:
-            start = (0, step, 0)
-            return lax.dynamic_slice(array, start, (array.shape[0], 1, array.shape[2]))[:, 0]
-
-        arrays = {
-            v: _from_bits(piece(a), dtype)
+    def compute(step: Any, slices: list[list[Any]]) -> list[list[Any]]:
+        inputs = {
+            v: _from_bits(piece(a, step), dtype)
             if function is None
-            else function(_from_bits(piece(a), dtype))
+            else function(_from_bits(piece(a, step), dtype))
             for v, a, function, dtype in zip(
                 others, other_rows, other_functions, other_dtypes, strict=True
             )
         }
         for var, position in sources.items():
             slot, _ = carried[position]
-            arrays[var] = slot.read_rows([piece(a) for a in carry[position]])
-        results = program.evaluate_slice(component, wanted, arrays, values, (group, row_length))
-        new_carry = []
-        for (slot, _), arrays_now, result in zip(carried, carry, results, strict=True):
-            pieces = list(slot.write_rows(result))
+            inputs[var] = slot.read_rows(slices[position])
+        for (var, _, function), dtype, pieces in zip(
+            carrier_inputs, carrier_dtypes, slices[len(carried) :], strict=True
+        ):
+            value = _from_bits(pieces[0], dtype)
+            inputs[var] = value if function is None else function(value)
+        results = program.evaluate_slice(component, wanted_all, inputs, values, (group, row_length))
+        written = []
+        for (slot, _), old, result in zip(carried, slices, results, strict=False):
+            new = list(slot.write_rows(result))
             if skip is not None:  # a skipped step writes back what it read
-                pieces = [
-                    jnp.where(skip, piece(a), p.astype(a.dtype))
-                    for a, p in zip(arrays_now, pieces, strict=True)
-                ]
-            new_carry.append(
-                [
-                    lax.dynamic_update_slice(a, p[:, None].astype(a.dtype), (0, step, 0))
-                    for a, p in zip(arrays_now, pieces, strict=True)
-                ]
-            )
-        return new_carry
+                new = [jnp.where(skip, o, n.astype(o.dtype)) for o, n in zip(old, new, strict=True)]
+            written.append(new)
+        for update, dtype in zip(results[len(carried) :], carrier_dtypes, strict=True):
+            # (a skipped step's updates are replaced after the loop, as any update is)
+            written.append([_as_bits(update.astype(dtype))])
+        return written
+
+    def write(arrays: list[list[Any]], written: list[list[Any]], step: Any) -> list[list[Any]]:
+        return [
+            [
+                lax.dynamic_update_slice(a, p[:, None].astype(a.dtype), (0, step, 0))
+                for a, p in zip(now, new, strict=True)
+            ]
+            for now, new in zip(arrays, written, strict=True)
+        ]
+
+    def read(arrays: list[list[Any]], step: Any) -> list[list[Any]]:
+        return [[piece(a, step) for a in now] for now in arrays]
+
+    def direct(step: Any, arrays: list[list[Any]]) -> list[list[Any]]:
+        return write(arrays, compute(step, read(arrays, step)), step)
+
+    def pipelined(step: Any, carry: tuple[list[list[Any]], list[list[Any]]]) -> Any:
+        # Iteration ``step`` writes slice ``step - 1`` from the slices the previous one
+        # read, then reads slice ``step``; the first only reads (it writes back slice 0
+        # as it is, read in the fusion that writes it, which XLA does in place), so that
+        # no slice is read before the loop, where XLA would keep every leaf's first
+        # slices from the start of the step.
+        arrays, slices = carry
+        at = jnp.maximum(step - 1, 0)
+        new = compute(at, slices)
+        kept = read(arrays, at)
+        new = [
+            [jnp.where(step == 0, k, n.astype(k.dtype)) for k, n in zip(ks, ns, strict=True)]
+            for ks, ns in zip(kept, new, strict=True)
+        ]
+        arrays = write(arrays, new, at)
+        return arrays, read(arrays, jnp.minimum(step, iterations - 1))
 
     # Inside a loss scaler's skip, each slice keeps its old value when the step is
-    # skipped, and the arrays are marked so that the skip selects nothing after the loop.
+    # skipped (and the caller marks the arrays, so that the skip selects nothing after).
     skip = skip_predicate()
-    carry = body(0, carry) if iterations == 1 else lax.fori_loop(0, iterations, body, carry)
-    if skip is None:
-        return carry
-    return [[skip_applied(a) for a in arrays] for arrays in carry]
+    if iterations == 1:
+        arrays = direct(0, arrays)
+    elif not carrier_inputs:
+        # each iteration reads and writes a slice of each carried array in one fusion,
+        # which XLA does in place
+        arrays = lax.fori_loop(0, iterations, direct, arrays)
+    else:
+        # an iteration that read one carried array (the state) to write another (the
+        # update, in the gradient's buffer) would make XLA's CPU backend copy every
+        # carried array per iteration: each reads what the previous iteration read
+        empty = [[jnp.zeros(a.shape[::2], a.dtype) for a in now] for now in arrays]
+        arrays, _ = lax.fori_loop(0, iterations + 1, pipelined, (arrays, empty))
+    update_arrays = [
+        _from_bits(pieces[0], dtype)
+        for pieces, dtype in zip(arrays[len(carried) :], carrier_dtypes, strict=True)
+    ]
+    return arrays[: len(carried)], update_arrays
 
 
 def _as_bits(array: Any) -> Any:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxscale._src.deferred import derived_elementwise
 from jaxscale.optim._in_place import AS_IS, Slot, update_in_place
 from jaxscale.optim._wrapping import as_float32_where_narrower, floating_dtype
 
@@ -48,15 +49,20 @@ def float32_state(
         def update(updates: Any, wide_state: Any, params: Any) -> Any:
             return inner.update(updates, wide_state, params, **extra_args)
 
-        return update_in_place(
-            update,
-            as_float32_where_narrower(updates),
-            state,
-            slots,
-            (as_float32_where_narrower(params),),
-        )
+        wide_updates = as_float32_where_narrower(updates)
+        wide_params = as_float32_where_narrower(params)
+        # the casts are made slice by slice where the state is updated in slices
+        with (
+            derived_elementwise(wide_updates, updates, _as_float32),
+            derived_elementwise(wide_params, params, _as_float32),
+        ):
+            return update_in_place(update, wide_updates, state, slots, (wide_params,))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _as_float32(leaf: Any) -> Any:
+    return leaf.astype(jnp.float32)
 
 
 def _is_floating_array(leaf: Any) -> bool:

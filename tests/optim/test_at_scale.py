@@ -215,6 +215,125 @@ def test_temporaries_stay_a_constant_per_parameter_with_large_leaves(fmt):
     assert temporaries <= {"int8": 2.1, "float8_e4m3fn": 2.4, "int4": 1.1, "bfloat16": 4.01}[fmt]
 
 
+def in_step_memory(tx, params):
+    """Bytes per parameter of a donated training step whose gradients are computed in it
+    (from a matmul, as a layer's are, so that XLA writes them out): (arguments,
+    temporaries). The gradients are temporaries of the step."""
+    state = jax.eval_shape(tx.init, params)
+
+    def step(params, state, mixing):
+        grads = jax.tree.map(
+            lambda p: (p.reshape(-1, 256) @ mixing.astype(p.dtype)).reshape(p.shape), params
+        )
+        updates, state = tx.update(grads, state, params)
+        with third_party.standard_promotion():
+            return optax.apply_updates(params, updates), state
+
+    mixing = jax.ShapeDtypeStruct((256, 256), F32)
+    compiled = machine.compiled_to_inspect(
+        jax.jit(step, donate_argnums=(0, 1)).lower(params, state, mixing)
+    )
+    memory = compiled.memory_analysis()
+    count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+    return memory.argument_size_in_bytes / count, memory.temp_size_in_bytes / count
+
+
+def test_a_training_steps_state_costs_little_beyond_its_gradients():
+    # The gradients a step computes are its own buffers: each update is written into its
+    # gradient's, slice by slice, so nothing reads the old state after the loop and XLA
+    # keeps no copy of it. Float32 Adam's step holds its gradients (4 bytes) and nothing
+    # else; the 8-bit and float8 states held 2 bytes more, the 4-bit state 1 (a bfloat16
+    # state, updated on whole arrays, still holds the copy: 4).
+    params = layout(*TEN_M)
+    arguments, temporaries = in_step_memory(adamw(), params)
+    assert temporaries == pytest.approx(4.0, abs=0.01)
+    baseline = arguments + temporaries
+    beyond = {"int8": 0.7, "float8_e4m3fn": 1.8, "int4": 0.7, "bfloat16": 4.01}
+    for fmt, bound in beyond.items():
+        tx = jaxscale.low_precision_state(adamw(), fmt)
+        arguments, temporaries = in_step_memory(tx, params)
+        assert temporaries - 4.0 < bound, fmt
+        if fmt != "bfloat16":
+            assert arguments + temporaries < 0.75 * baseline, fmt
+    tx = jaxscale.grad_scaler(jaxscale.low_precision_state(adamw(), "int8"))
+    assert in_step_memory(tx, params)[1] - 4.0 < 0.7
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_update_written_into_its_gradients_buffer_is_the_update_computed_whole(fmt, monkeypatch):
+    # the same step with its gradients passed (the update computed on whole arrays,
+    # outside the loop) and computed in it (the update written into the gradients'
+    # buffer, in 4 to 96 iterations): the same state bit for bit, the same parameters to
+    # float32's rounding (XLA fuses the update into the addition that applies it in one,
+    # and adds it after the loop in the other: a last bit apart where it contracts a
+    # multiplication and an addition into one rounding)
+    params = {
+        "w": jax.random.normal(jax.random.key(0), (96, 256)) * 0.1,
+        "v": jax.random.normal(jax.random.key(1), (8192,)),
+    }
+    monkeypatch.setattr(_in_place, "CPU_SLICE", 1024)
+    tx = jaxscale.grad_scaler(jaxscale.low_precision_state(adamw(), fmt), init_scale=2.0**4)
+
+    @jax.jit
+    def given(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return jax.tree.map(jnp.add, params, updates), state
+
+    @jax.jit
+    def in_step(params, state, scale):
+        # times a power of two (or infinity): exactly the passed gradients
+        return given(params, state, jax.tree.map(lambda p: p * scale, params))
+
+    current, state = params, tx.init(params)
+    for scale in [1.0, 0.5, float("inf"), 2.0]:  # the third step's gradients overflow
+        expected = given(current, state, jax.tree.map(lambda p, s=scale: p * s, current))
+        got = in_step(current, state, jnp.float32(scale))
+        for a, b in zip(jax.tree.leaves(expected[1]), jax.tree.leaves(got[1]), strict=True):
+            np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
+        for a, b in zip(jax.tree.leaves(expected[0]), jax.tree.leaves(got[0]), strict=True):
+            np.testing.assert_allclose(a, b, rtol=2e-7, atol=1e-9)
+        if scale == float("inf"):  # skipped: nothing moved
+            for a, b in zip(jax.tree.leaves(current), jax.tree.leaves(got[0]), strict=True):
+                np.testing.assert_array_equal(a, b)
+        current, state = expected
+    assert int(state.scaler.skipped_steps) == 1
+
+
+def test_an_update_is_written_into_the_gradients_buffer_only_when_it_is_the_steps_own():
+    # A passed gradient is an argument of the compiled program, which XLA would copy to
+    # write into; an update computed in float32 for bfloat16 gradients does not fit
+    # their buffer. Both keep the update computed on whole arrays.
+    written = set()  # how many updates a loop writes into gradients' buffers
+    original = _in_place._loop
+
+    def counting(*args):
+        written.add(len(args[-1]))
+        return original(*args)
+
+    params = {"w": jnp.ones((512, 256))}
+    tx = jaxscale.low_precision_state(adamw(), "int8")
+    bf16 = jaxscale.master_weights(tx)
+    half = {"w": params["w"].astype(BF16)}
+
+    def times_two(tree):
+        return jax.tree.map(lambda x: x * 2, tree)
+
+    def written_by(trace):
+        written.clear()
+        trace()
+        return written.copy()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_in_place, "_loop", counting)
+        update = jax.jit(tx.update)
+        assert written_by(lambda: update.lower(params, tx.init(params), params)) == {0}
+        in_step = jax.jit(lambda p, s: tx.update(times_two(p), s, p))
+        assert written_by(lambda: in_step.lower(params, tx.init(params))) == {1}
+        assert written_by(lambda: tx.update(params, tx.init(params), params)) == {0}  # eager
+        master = jax.jit(lambda p, s: bf16.update(times_two(p), s, p))
+        assert written_by(lambda: master.lower(half, bf16.init(half))) == {0}
+
+
 def test_a_loss_scalers_unscaled_gradients_are_read_slice_by_slice(monkeypatch):
     # The unscaled gradients are recomputed in each slice from the scaled ones, not
     # written out for the loop (they were 4 bytes per parameter); the step stores what
@@ -395,7 +514,10 @@ FSDP_PARAMS = {
 }
 
 
-def fsdp_step(tx, mesh):
+def fsdp_step(tx, mesh, gradients_in_step=False):
+    """The jitted FSDP step, its abstract parameters and state. With
+    ``gradients_in_step`` it takes a scalar and computes the gradients from it (a
+    training step's gradients are its own values, which the update may overwrite)."""
     params = {
         name: jax.ShapeDtypeStruct(shape, F32, sharding=NamedSharding(mesh, P("fsdp")))
         for name, shape in FSDP_PARAMS.items()
@@ -407,6 +529,8 @@ def fsdp_step(tx, mesh):
     )
 
     def step(params, state, grads):
+        if gradients_in_step:
+            grads = jax.tree.map(lambda p: jnp.sin(p) * grads, params)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
@@ -428,12 +552,15 @@ def fsdp_step(tx, mesh):
     ],
     ids=[*FORMATS, "int8, partial blocks", "grad_scaler(int8)", "MultiSteps inside int8"],
 )
-def test_an_fsdp_step_communicates_nothing_but_the_finite_check(make, request):
+@pytest.mark.parametrize("gradients", ["given", "computed in the step"])
+def test_an_fsdp_step_communicates_nothing_but_the_finite_check(make, gradients, request):
     mesh = fsdp_mesh()
-    jitted, params, state = fsdp_step(make(), mesh)
-    compiled = machine.compiled_to_inspect(jitted.lower(params, state, params))
+    in_step = gradients != "given"
+    jitted, params, state = fsdp_step(make(), mesh, gradients_in_step=in_step)
+    grads = jax.ShapeDtypeStruct((), F32) if in_step else params
+    compiled = machine.compiled_to_inspect(jitted.lower(params, state, grads))
     collectives = COLLECTIVE.findall(compiled.as_text())
-    if request.node.callspec.id.startswith("grad_scaler"):
+    if "grad_scaler" in request.node.callspec.id:
         # grad_scaler's one all-reduce of its finite check: booleans
         assert all(kind == "all-reduce" and "pred" in shape for shape, kind, _ in collectives)
         assert collectives
