@@ -6,7 +6,9 @@ operands: its output, and, on the same output gradient, its two operands' gradie
 So each matmul's error is its own, not the sum of the errors of the layers before it.
 The figures leave the step through the gradient of a zero "probe" per matmul (its
 backward pass returns them), so one ``jax.grad`` measures the forward and backward
-matmuls of every layer, inside scans too (a scan's layers are summed).
+matmuls of every layer, inside scans too: a matmul in the body of a scan over stacked
+layers has a probe row per layer, indexed by the iteration (in scans nested in scans,
+one row for all iterations).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -45,7 +48,9 @@ class MatmulError:
     """One matmul under a float8 recipe, against float32 on the same operands.
 
     Attributes:
-      site: the matmul, as a ``float8_filter`` sees it.
+      site: the matmul, as a ``float8_filter`` sees it; in a scan over stacked layers,
+        one layer's (``site.layer``), each layer measured apart (in scans nested in
+        scans, ``site.layer`` is ``None``: the figures are over every iteration).
       output, input_grad, weight_grad: relative L2 error (``||recipe - f32|| / ||f32||``)
         of its output and of its two operands' gradients (the weight is the operand
         :attr:`MatmulSite.weight` names, else the right one).
@@ -53,7 +58,8 @@ class MatmulError:
         recipe's quantization turned to zero, and the fraction it clipped (stored more
         than one step of the format below their magnitude).
       flops: the matmul's share of the step's matmul FLOPs (its forward and two
-        backward matmuls, every iteration of a scan; all ``dot_general``\\ s counted).
+        backward matmuls; in nested scans, every iteration; all ``dot_general``\\ s
+        counted).
     """
 
     site: MatmulSite
@@ -102,11 +108,15 @@ class Float8Report:
 
     def proposed_filter(self) -> Callable[[MatmulSite], bool]:
         """A ``float8_filter`` refusing the :attr:`kept` matmuls (matched by name stack,
-        weight path, source line and shapes) and taking every other."""
+        weight path, source line, shapes and, in a scan over layers, the layer) and
+        taking every other."""
         refused = {_identity(m.site) for m in self.kept}
 
         def keep(site: MatmulSite) -> bool:
-            return _identity(site) not in refused
+            # a matmul measured over all its layers at once (in nested scans) is refused
+            # in every layer
+            every_layer = replace(site, layer=None)
+            return _identity(site) not in refused and _identity(every_layer) not in refused
 
         keep.__qualname__ = f"float8_report.proposed_filter({len(refused)} kept)"
         return keep
@@ -144,11 +154,12 @@ class Float8Report:
 
 
 def _identity(site: MatmulSite) -> tuple[Any, ...]:
-    return (site.name_stack, site.weight, site.source, site.shapes)
+    return (site.name_stack, site.weight, site.source, site.shapes, site.layer)
 
 
 def _label(site: MatmulSite) -> str:
-    return site.weight or site.name_stack or site.source or f"matmul {site.index}"
+    label = site.weight or site.name_stack or site.source or f"matmul {site.index}"
+    return label if site.layer is None else f"{label} layer {site.layer}"
 
 
 def float8_report(
@@ -211,6 +222,7 @@ def float8_report(
         )
 
     sites: list[tuple[MatmulSite, float]] = []
+    rows: list[tuple[int, int | None]] = []  # each matmul's first row, and its layers
     other_flops = [0.0]
     with state_writes_marked():
         call = TracedCall(fn, args, kwargs)
@@ -220,9 +232,12 @@ def float8_report(
         # quantization of constants, and its folding of the subnormal scales of MX's
         # all-zero blocks differs from what the compiled program computes
         autocaster = Autocaster(np.float32, resolved)
+        autocaster.per_iteration = True
+        recording = probes is None
         autocaster.matmul_hook = _hook(
-            resolved, compute_dtype, key, probes, sites if probes is None else None, other_flops
-        )
+            resolved, compute_dtype, key, probes, sites if recording else None, rows,
+            other_flops,
+        )  # fmt: skip
         autocaster.name_inputs(inputs, call.input_paths)
         return autocaster.run(call.closed, inputs, [Tag.GIVEN] * len(inputs))[0]
 
@@ -283,10 +298,14 @@ def _hook(
     key: Any,
     probes: jax.Array | None,
     sites: list[tuple[MatmulSite, float]] | None,
+    rows: list[tuple[int, int | None]],
     other_flops: list[float],
 ) -> Any:
-    """The matmul hook of one pass: the first (no probes) records the sites and their
-    FLOPs; the second measures each site into its probe's gradient."""
+    """The matmul hook of one pass: the first (no probes) records the sites, their
+    FLOPs and their probe rows; the second measures each site into its probe's
+    gradient. A matmul in the body of a scan over layers (one scan, not nested in
+    another) gets a row per layer, one site per layer; in nested scans, one row for
+    all its iterations."""
     count = [0]
 
     def hook(autocaster: Autocaster, eqn: Any, invals: list[Any]) -> Any:
@@ -302,12 +321,21 @@ def _hook(
         site = autocaster.site(eqn, invals)
         if sites is not None:  # forward and two backward matmuls, each iteration of a scan
             m, k, n = site.dims
-            sites.append((site, 3 * 2.0 * m * k * n * autocaster.repeats))
-        if probes is None or index >= probes.shape[0]:
+            flops = 3 * 2.0 * m * k * n
+            layers = site.layers
+            if autocaster.iteration is not None and layers == autocaster.repeats:
+                rows.append((len(sites), layers))
+                sites.extend((replace(site, layer=i), flops) for i in range(layers))
+            else:
+                rows.append((len(sites), None))
+                sites.append((replace(site, layer=None, layers=None), flops * autocaster.repeats))
+        if probes is None or index >= len(rows):
             return _reference(lhs, rhs, dims)
+        row, layers = rows[index]
         site_key = None if key is None else jax.random.fold_in(key, index)
+        probe = probes[row] if layers is None else probes[row + autocaster.iteration]
         on_the_left = weight_on_the_left(autocaster.origin_of(lhs), autocaster.origin_of(rhs))
-        return _measured(lhs, rhs, probes[index], dims, recipe, dtype, site_key, on_the_left)
+        return _measured(lhs, rhs, probe, dims, recipe, dtype, site_key, on_the_left)
 
     return hook
 

@@ -185,23 +185,29 @@ def _scan(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag
     body_tags = [*const_tags, *[Tag.NONE] * num_carry, *[t & Tag.GIVEN for t in xs_tags]]
 
     keyed = autocaster.key is not None and autocaster.float8 is not None
+    # the iteration's index is scanned over where a stochastic rounding draws from it or
+    # a measurement is kept per layer
+    indexed = keyed or autocaster.per_iteration
     origins = [autocaster.origin_of(x) for x in xs]
 
     def make_step() -> Callable[..., Any]:
         # a new function each time: JAX caches a scan body's trace by the function, and
         # the probe of :func:`_layer_segments` traces it with no matmul decided
         def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
-            outer_key = autocaster.key
-            if keyed:  # each iteration draws its own stochastic rounding
+            outer_key, outer_iteration = autocaster.key, autocaster.iteration
+            if indexed:
                 *x, iteration = x
-                autocaster.key = jax.random.fold_in(outer_key, iteration)
+                if keyed:  # each iteration draws its own stochastic rounding
+                    autocaster.key = jax.random.fold_in(outer_key, iteration)
+                if autocaster.per_iteration:
+                    autocaster.iteration = iteration
             # a slice of an argument is still that argument (a layer of a stacked weight)
             named = [(value, origin) for value, origin in zip(x, origins, strict=True) if origin]
             autocaster.name_inputs([v for v, _ in named], [o for _, o in named])
             try:
                 outs = autocaster.run(body, [*consts, *carry, *x], body_tags)
             finally:
-                autocaster.key = outer_key
+                autocaster.key, autocaster.iteration = outer_key, outer_iteration
             return cast_floating(outs[:num_carry], carry_dtypes), outs[num_carry:]
 
         return step
@@ -209,7 +215,7 @@ def _scan(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag
     def scan_over(start: int, stop: int, carry: list[Any]) -> tuple[list[Any], list[Any]]:
         whole = start == 0 and stop == length
         sliced = xs if whole else [x[start:stop] for x in xs]
-        if keyed:
+        if indexed:
             sliced = [*sliced, jnp.arange(start, stop, dtype=jnp.uint32)]
         outer_layer, autocaster.layer = autocaster.layer, (start, length)
         outer_repeats, autocaster.repeats = autocaster.repeats, autocaster.repeats * (stop - start)

@@ -269,6 +269,10 @@ class Autocaster:
         self.recording: list[MatmulSite] | None = None
         # how many times the equations being evaluated run per call (a scan's length)
         self.repeats = 1
+        # with ``per_iteration`` set (jaxscale.float8_report), inside a scan: the traced
+        # index of the iteration running, so that each layer's matmul is measured apart
+        self.per_iteration = False
+        self.iteration: Any = None
         # measures each matmul in place of running it (jaxscale.float8_report): called
         # with (autocaster, eqn, operands), returns the result or None to run it as usual
         self.matmul_hook: Callable[[Autocaster, Any, list[Any]], Any] | None = None

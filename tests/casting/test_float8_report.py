@@ -3,6 +3,8 @@ arithmetic on the same operands, and the filter it proposes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,18 +117,65 @@ def test_the_proposal_keeps_the_worst_matmuls_until_the_rest_is_within_the_bound
     assert str(report) == table
 
 
-def test_a_scans_layers_are_measured_together_and_counted_each():
-    ws = jnp.asarray(RNG.normal(size=(4, 64, 64)) / 8, F32)
+def test_each_layer_of_a_scan_is_measured_apart_as_if_unrolled():
+    ws = np.asarray(RNG.normal(size=(4, 64, 64)) / 8, np.float32)
+    ws[2, 0, 0] = 1e4  # one outlying weight: tensorwise scaling flushes the rest of layer 2
+    ws = jnp.asarray(ws)
 
     def stack(ws, x):
         h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
         return jnp.mean(jnp.square(h @ PARAMS["head"]))
 
-    report = float8_report(stack, ws, X, recipe="rowwise")
-    layer, _head = report.matmuls
-    assert layer.flops == pytest.approx(4 * 64 / (4 * 64 + 32))
-    assert 0.005 < layer.output < 0.1
-    assert layer.site.layers == 4
+    def unrolled(layers, x):
+        h = x
+        for w in layers:
+            h = jnp.tanh(h @ w)
+        return jnp.mean(jnp.square(h @ PARAMS["head"]))
+
+    report = float8_report(stack, ws, X, recipe="tensorwise")
+    *layers, head = report.matmuls
+    assert [m.site.layer for m in layers] == [0, 1, 2, 3]
+    assert all(m.site.layers == 4 for m in layers)
+    assert head.site.layer is None
+    # the same figures as the same matmuls written out one by one
+    apart = float8_report(unrolled, list(ws), X, recipe="tensorwise")
+    for ours, theirs in zip(report.matmuls, apart.matmuls, strict=True):
+        for field in ("output", "input_grad", "weight_grad", "flushed", "saturated", "flops"):
+            assert getattr(ours, field) == pytest.approx(getattr(theirs, field), rel=1e-4), field
+    assert layers[0].flops == pytest.approx(64 / (4 * 64 + 32))
+    assert max(report.matmuls, key=lambda m: m.error) is layers[2]
+    assert layers[2].flushed > 0.05
+    assert max(m.error for m in report.matmuls[3:]) < 0.1
+    assert "[0] layer 2" in report.table()
+    # the proposal keeps that layer alone in bfloat16; autocast splits the scan there
+    assert [(m.site.layer, m.site.weight) for m in report.kept] == [(2, "[0]")]
+    keep = report.proposed_filter()
+    assert [keep(m.site) for m in layers] == [True, True, False, True]
+    policy = jaxscale.autocast(stack, dtype=BF16, float8="tensorwise", float8_filter=keep)
+    dtypes = matmul_dtypes(jax.make_jaxpr(policy)(ws, X))
+    # the scan in three runs of layers (0-1 and 3 in float8, 2 in bfloat16) and the head
+    f8 = "float8_e4m3fn"
+    assert dtypes == {("bfloat16", "bfloat16", "bfloat16"): 1, (f8, f8, "float32"): 3}, dtypes
+
+
+def test_a_scan_within_a_scan_is_measured_over_all_its_iterations():
+    ws = jnp.asarray(RNG.normal(size=(2, 3, 64, 64)) / 8, F32)
+
+    def nested(ws, x):
+        def outer(h, block):
+            return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, block)[0], None
+
+        h = jax.lax.scan(outer, x, ws)[0]
+        return jnp.mean(jnp.square(h @ PARAMS["head"]))
+
+    report = float8_report(nested, ws, X, recipe="rowwise")
+    inner, _head = report.matmuls
+    assert inner.site.layer is None
+    assert inner.flops == pytest.approx(6 * 64 / (6 * 64 + 32))
+    assert 0.005 < inner.output < 0.1
+    # refused, it is refused in every layer
+    keep = dataclasses.replace(report, kept=(inner,)).proposed_filter()
+    assert not keep(dataclasses.replace(inner.site, layer=1, layers=3))
 
 
 def test_an_nnx_model_is_measured_and_left_as_it_was():
