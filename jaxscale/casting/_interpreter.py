@@ -114,6 +114,22 @@ _VIEWS = {"reshape", "transpose", "squeeze", "copy", "name", "device_put", "xla_
 # Views through which a value is still the argument it came from, for the matmul
 # sites' weight paths (a cast is one: a float32 parameter narrowed to bfloat16).
 _ORIGIN_KEEPING = _VIEWS | {"convert_element_type"}
+
+
+def _one_leading_index(eqn: Any) -> int | None:
+    """The index a ``slice`` equation takes along the leading axis where it takes that
+    one index and every other axis whole (a layer of a stacked array), else ``None``."""
+    params = eqn.params
+    shape = eqn.invars[0].aval.shape
+    start, limit = params["start_indices"], params["limit_indices"]
+    strides = params.get("strides")
+    if not shape or limit[0] - start[0] != 1 or any(s not in (None, 1) for s in strides or ()):
+        return None
+    if any(b != 0 or e != n for b, e, n in zip(start[1:], limit[1:], shape[1:], strict=True)):
+        return None
+    return int(start[0])
+
+
 # Primitives that take several values and treat each on its own: a barrier, a transfer,
 # a sort that carries values along with its keys, a collective of several arrays. No
 # arithmetic joins the values, so each keeps the dtype it has and none is promoted (a
@@ -463,6 +479,12 @@ class Autocaster:
             self._note_axes(eqn, invals, outvals)
             if name in _ORIGIN_KEEPING and len(outvals) == 1 and invals:
                 self._note_origin(invals[0], outvals[0])
+            elif name == "slice" and (layer := _one_leading_index(eqn)) is not None:
+                # one layer of a stacked weight, taken by a Python index (``ws[3]``, ``for
+                # w in ws``): the stacked argument's path and the index
+                origin = self.origin_of(invals[0])
+                if origin is not None:
+                    self._origins[id(outvals[0])] = (outvals[0], f"{origin}[{layer}]")
             if self._window_sums and name in _VIEWS:
                 self._note_window_sum_view(eqn, invals, outvals)
         return outvals, out_tags or [Tag.NONE] * len(outvals)

@@ -268,6 +268,27 @@ def test_exclude_layers_finds_a_list_of_layers_by_its_index():
     assert float8_matmuls(lambda x: fn(x), X) == 6  # two layers, three matmuls each
 
 
+def test_a_layer_of_a_stacked_weight_taken_by_its_index_is_that_layer():
+    # a stack of weights iterated in Python (not scanned): each matmul's weight is the
+    # stacked argument's path and the layer's index, so a list filter finds the layers
+    params = {"layers": jnp.asarray(RNG.normal(size=(4, 32, 32)) / 6, F32)}
+
+    def stack(params, x):
+        for w in params["layers"]:
+            x = jnp.tanh(x @ w)
+        return x
+
+    sites = recorded(stack, params, X)
+    assert [s.weight for s in sites] == [f"[0]['layers'][{i}]" for i in range(4)]
+    assert [s.list_index("layers") for s in sites] == [0, 1, 2, 3]
+    keep = exclude_layers(first=1, last=1, count=4)
+    fn = jaxscale.autocast(stack, dtype=BF16, float8="rowwise", float8_filter=keep)
+    assert float8_matmuls(lambda x: fn(params, x), X) == 6  # two layers, three matmuls each
+    # a part of a layer (rows of it) is not the layer
+    half = recorded(lambda p, x: x[:, :16] @ p["layers"][1, :16], params, X)
+    assert [s.weight for s in half] == [None]
+
+
 class EquinoxBlocks(eqx.Module):
     """Equinox's idiom: a list attribute of blocks, each applied per example under vmap."""
 
