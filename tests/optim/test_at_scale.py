@@ -334,6 +334,24 @@ def test_an_update_is_written_into_the_gradients_buffer_only_when_it_is_the_step
         assert written_by(lambda: master.lower(half, bf16.init(half))) == {0}
 
 
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "int4"])
+def test_a_training_step_lowered_for_a_gpu_waits_on_nothing(fmt):
+    # a leaf of 8M elements: on a GPU two slices of 4M, the update written into the
+    # gradient's buffer by a loop of known trip count; under a loss scaler's skip
+    params = {"w": jax.ShapeDtypeStruct((4096, 2048), F32)}
+    tx = jaxscale.grad_scaler(jaxscale.low_precision_state(adamw(), fmt))
+
+    def step(params, state, scale):
+        grads = jax.tree.map(lambda p: jnp.sin(p) * scale, params)
+        updates, state = tx.update(grads, state, params)
+        return jax.tree.map(jnp.add, params, updates), state
+
+    state = jax.eval_shape(tx.init, params)
+    report = jaxscale.lowering_report(step, params, state, jax.ShapeDtypeStruct((), F32))
+    assert not report.syncs_with_host, report
+    assert report.loops == report.counted_loops >= 1
+
+
 def test_a_loss_scalers_unscaled_gradients_are_read_slice_by_slice(monkeypatch):
     # The unscaled gradients are recomputed in each slice from the scaled ones, not
     # written out for the loop (they were 4 bytes per parameter); the step stores what
