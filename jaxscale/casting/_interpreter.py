@@ -119,7 +119,7 @@ _ORIGIN_KEEPING = _VIEWS | {"convert_element_type"}
 def _one_leading_index(eqn: Any) -> int | None:
     """The index a ``slice`` equation takes along the leading axis where it takes that
     one index and every other axis whole (a layer of a stacked array), else ``None``."""
-    params = eqn.params
+    params = parameters(eqn)
     shape = eqn.invars[0].aval.shape
     start, limit = params["start_indices"], params["limit_indices"]
     strides = params.get("strides")

@@ -232,10 +232,12 @@ def update_in_place(
         if program.outvars[count + index] is program.invars[state_inputs[index]]:
             narrowed_list[index] = stored_list[index]
     kept = {index for index, leaf in enumerate(narrowed_list) if leaf is not None}
+    # a scalar the last loop computed, for which the next loop's first slices wait
+    after: list[Any] = []
     for component, members in _components(program, slot_list, count, kept).items():
         results = _run_component(
             program, component, members, slot_list, stored_list, flat, values,
-            state_inputs, count,
+            state_inputs, count, after,
         )  # fmt: skip
         for index, value in results.items():
             if index < count:
@@ -296,6 +298,7 @@ def _run_component(
     values: dict[Any, Any],
     state_inputs: range,
     count: int,
+    after: list[Any],
 ) -> dict[int, Any]:
     """One component's new state computed in place, slice by slice: each stored leaf, by
     flat output index (the updates' count first). Its updates are computed on whole
@@ -361,23 +364,30 @@ def _run_component(
     update_indices = list(carriers)
     carrier_inputs = [carriers[k][1] for k in update_indices]
 
-    def run(iterations: int) -> tuple[list[list[Any]], list[Any]]:
-        state_arrays, update_arrays = _loop(
+    previous = after[0] if after else jnp.float32(0)
+
+    def run(iterations: int) -> tuple[list[list[Any]], list[Any], Any]:
+        state_arrays, update_arrays, done = _loop(
             program, component, wanted, carried, sources, others, other_values,
             other_functions, values, rows, row_length, iterations,
-            [outvars[k] for k in update_indices], carrier_inputs,
+            [outvars[k] for k in update_indices], carrier_inputs, previous,
         )  # fmt: skip
-        return [
-            [a.reshape(np.shape(like)) for a, like in zip(new, old, strict=True)]
-            for new, (_, old) in zip(state_arrays, carried, strict=True)
-        ], [a.reshape(shape) for a in update_arrays]
+        return (
+            [
+                [a.reshape(np.shape(like)) for a, like in zip(new, old, strict=True)]
+                for new, (_, old) in zip(state_arrays, carried, strict=True)
+            ],
+            [a.reshape(shape) for a in update_arrays],
+            done,
+        )
 
     if len(set(counts.values())) == 1:
-        carry, updates = run(counts["cpu"])
+        carry, updates, done = run(counts["cpu"])
     else:  # the trip count the compiling platform wants, chosen when XLA lowers the step
-        carry, updates = lax.platform_dependent(
+        carry, updates, done = lax.platform_dependent(
             **{platform: functools.partial(run, count) for platform, count in counts.items()}
         )
+    after[:] = [done]
     results = {
         count + i: slots[i].stored(carry[position], stored[i])
         for position, i in enumerate(state_outputs)
@@ -441,7 +451,8 @@ def _loop(
     iterations: int,
     updates: list[Any],
     carrier_inputs: list[tuple[Any, Any, Callable[[Any], Any] | None]],
-) -> tuple[list[list[Any]], list[Any]]:
+    previous: Any,
+) -> tuple[list[list[Any]], list[Any], Any]:
     """The carried arrays after ``iterations`` iterations, each over every
     ``iterations``-th row: the component evaluated on the slice, the new state written
     in place, and each of ``updates`` written into the buffer of its gradient
@@ -513,13 +524,11 @@ def _loop(
     def direct(step: Any, arrays: list[list[Any]]) -> list[list[Any]]:
         return write(arrays, compute(step, read(arrays, step)), step)
 
-    def pipelined(step: Any, carry: tuple[list[list[Any]], list[list[Any]]]) -> Any:
+    def pipelined(step: Any, carry: tuple[Any, list[list[Any]], list[list[Any]]]) -> Any:
         # Iteration ``step`` writes slice ``step - 1`` from the slices the previous one
         # read, then reads slice ``step``; the first only reads (it writes back slice 0
-        # as it is, read in the fusion that writes it, which XLA does in place), so that
-        # no slice is read before the loop, where XLA would keep every leaf's first
-        # slices from the start of the step.
-        arrays, slices = carry
+        # as it is, read in the fusion that writes it, which XLA does in place).
+        count, arrays, slices = carry
         at = jnp.maximum(step - 1, 0)
         new = compute(at, slices)
         kept = read(arrays, at)
@@ -528,11 +537,12 @@ def _loop(
             for ks, ns in zip(kept, new, strict=True)
         ]
         arrays = write(arrays, new, at)
-        return arrays, read(arrays, jnp.minimum(step, iterations - 1))
+        return count + 1, arrays, read(arrays, jnp.minimum(step, iterations - 1))
 
     # Inside a loss scaler's skip, each slice keeps its old value when the step is
     # skipped (and the caller marks the arrays, so that the skip selects nothing after).
     skip = skip_predicate()
+    done = previous
     if iterations == 1:
         arrays = direct(0, arrays)
     elif not carrier_inputs:
@@ -542,14 +552,23 @@ def _loop(
     else:
         # an iteration that read one carried array (the state) to write another (the
         # update, in the gradient's buffer) would make XLA's CPU backend copy every
-        # carried array per iteration: each reads what the previous iteration read
-        empty = [[jnp.zeros(a.shape[::2], a.dtype) for a in now] for now in arrays]
-        arrays, _ = lax.fori_loop(0, iterations + 1, pipelined, (arrays, empty))
+        # carried array per iteration: each reads what the previous iteration read.
+        # The slices carried are made after the previous loop ends (they wait for the
+        # count it returns, a scalar every device has), so that XLA does not hold every
+        # loop's slices from the start of the step.
+        wait = previous * 0  # (XLA keeps a float's product with zero)
+        empty = [
+            [(jnp.zeros(a.shape[::2], jnp.float32) + wait).astype(a.dtype) for a in now]
+            for now in arrays
+        ]
+        done, arrays, _ = lax.fori_loop(
+            0, iterations + 1, pipelined, (jnp.float32(0), arrays, empty)
+        )
     update_arrays = [
         _from_bits(pieces[0], dtype)
         for pieces, dtype in zip(arrays[len(carried) :], carrier_dtypes, strict=True)
     ]
-    return arrays[: len(carried)], update_arrays
+    return arrays[: len(carried)], update_arrays, done
 
 
 def _as_bits(array: Any) -> Any:

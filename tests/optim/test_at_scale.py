@@ -248,7 +248,8 @@ def test_a_training_steps_state_costs_little_beyond_its_gradients():
     arguments, temporaries = in_step_memory(adamw(), params)
     assert temporaries == pytest.approx(4.0, abs=0.01)
     baseline = arguments + temporaries
-    beyond = {"int8": 0.7, "float8_e4m3fn": 1.8, "int4": 0.7, "bfloat16": 4.01}
+    # (float8's 1.5: its codes' uint8 views, which XLA's CPU backend writes as copies)
+    beyond = {"int8": 0.2, "float8_e4m3fn": 1.6, "int4": 0.2, "bfloat16": 4.01}
     for fmt, bound in beyond.items():
         tx = jaxscale.low_precision_state(adamw(), fmt)
         arguments, temporaries = in_step_memory(tx, params)
@@ -256,7 +257,7 @@ def test_a_training_steps_state_costs_little_beyond_its_gradients():
         if fmt != "bfloat16":
             assert arguments + temporaries < 0.75 * baseline, fmt
     tx = jaxscale.grad_scaler(jaxscale.low_precision_state(adamw(), "int8"))
-    assert in_step_memory(tx, params)[1] - 4.0 < 0.7
+    assert in_step_memory(tx, params)[1] - 4.0 < 0.2
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -307,7 +308,7 @@ def test_an_update_is_written_into_the_gradients_buffer_only_when_it_is_the_step
     original = _in_place._loop
 
     def counting(*args):
-        written.add(len(args[-1]))
+        written.add(len(args[-2]))  # the updates written into gradients' buffers
         return original(*args)
 
     params = {"w": jnp.ones((512, 256))}
