@@ -480,11 +480,17 @@ class Autocaster:
             if name in _ORIGIN_KEEPING and len(outvals) == 1 and invals:
                 self._note_origin(invals[0], outvals[0])
             elif name == "slice" and (layer := _one_leading_index(eqn)) is not None:
-                # one layer of a stacked weight, taken by a Python index (``ws[3]``, ``for
-                # w in ws``): the stacked argument's path and the index
+                # one layer of a stacked weight, taken by a Python index (``ws[3]``, and
+                # ``for w in ws`` before JAX 0.12): the stacked argument's path and index
                 origin = self.origin_of(invals[0])
                 if origin is not None:
                     self._origins[id(outvals[0])] = (outvals[0], f"{origin}[{layer}]")
+            elif name == "unstack" and parameters(eqn).get("axis") == 0:
+                # ``for w in ws`` from JAX 0.12: every layer at once
+                origin = self.origin_of(invals[0])
+                if origin is not None:
+                    for layer, value in enumerate(outvals):
+                        self._origins[id(value)] = (value, f"{origin}[{layer}]")
             if self._window_sums and name in _VIEWS:
                 self._note_window_sum_view(eqn, invals, outvals)
         return outvals, out_tags or [Tag.NONE] * len(outvals)
