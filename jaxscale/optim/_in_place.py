@@ -459,11 +459,13 @@ def _loop(
     (``carrier_inputs``: the input variable, its source array and the function that
     computes it from the source's slice).
 
-    The loop is pipelined: an iteration computes from slices the previous one read,
-    writes its results, then reads the next slices from the arrays it has written.
-    Every read of a carried array thus follows every write to it, so XLA updates each
-    one in place (where an iteration reading one carried array to write another made
-    XLA's CPU backend copy every carried array per iteration)."""
+    With ``updates`` the loop is pipelined: an iteration computes from slices the
+    previous one read, writes its results, then reads the next slices from the arrays
+    it has written. Every read of a carried array thus follows every write to it, so
+    XLA updates each one in place (where an iteration reading one carried array to
+    write another made XLA's CPU backend copy every carried array per iteration). Its
+    first slices wait for ``previous``, a scalar the previous loop returned; it returns
+    its own (its count of iterations) as the third result, else ``previous``."""
     group = rows // iterations
 
     def as_rows(array: Any) -> Any:  # (group, iterations, per row) views: strided slices
@@ -499,7 +501,8 @@ def _loop(
             inputs[var] = value if function is None else function(value)
         results = program.evaluate_slice(component, wanted_all, inputs, values, (group, row_length))
         written = []
-        for (slot, _), old, result in zip(carried, slices, results, strict=False):
+        state_slices, state_results = slices[: len(carried)], results[: len(carried)]
+        for (slot, _), old, result in zip(carried, state_slices, state_results, strict=True):
             new = list(slot.write_rows(result))
             if skip is not None:  # a skipped step writes back what it read
                 new = [jnp.where(skip, o, n.astype(o.dtype)) for o, n in zip(old, new, strict=True)]
