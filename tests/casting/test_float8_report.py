@@ -158,6 +158,23 @@ def test_each_layer_of_a_scan_is_measured_apart_as_if_unrolled():
     assert dtypes == {("bfloat16", "bfloat16", "bfloat16"): 1, (f8, f8, "float32"): 3}, dtypes
 
 
+def test_a_reversed_scan_names_each_layer_by_its_place_in_the_stack():
+    ws = np.asarray(RNG.normal(size=(4, 64, 64)) / 8, np.float32)
+    ws[2, 0, 0] = 1e4
+    ws = jnp.asarray(ws)
+
+    def backwards(ws, x):  # layer 3 runs first
+        h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws, reverse=True)[0]
+        return jnp.mean(h**2)
+
+    report = float8_report(backwards, ws, X, recipe="tensorwise")
+    assert [m.site.layer for m in report.matmuls] == [0, 1, 2, 3]
+    assert max(report.matmuls, key=lambda m: m.error).site.layer == 2
+    assert [m.site.layer for m in report.kept] == [2]
+    keep = report.proposed_filter()
+    assert [keep(m.site) for m in report.matmuls] == [True, True, False, True]
+
+
 def test_a_scan_within_a_scan_is_measured_over_all_its_iterations():
     ws = jnp.asarray(RNG.normal(size=(2, 3, 64, 64)) / 8, F32)
 
