@@ -233,11 +233,11 @@ def update_in_place(
             narrowed_list[index] = stored_list[index]
     kept = {index for index, leaf in enumerate(narrowed_list) if leaf is not None}
     # a scalar the last loop computed, for which the next loop's first slices wait
-    after: list[Any] = []
+    previous = jnp.float32(0)
     for component, members in _components(program, slot_list, count, kept).items():
-        results = _run_component(
+        results, previous = _run_component(
             program, component, members, slot_list, stored_list, flat, values,
-            state_inputs, count, after,
+            state_inputs, count, previous,
         )  # fmt: skip
         for index, value in results.items():
             if index < count:
@@ -298,11 +298,13 @@ def _run_component(
     values: dict[Any, Any],
     state_inputs: range,
     count: int,
-    after: list[Any],
-) -> dict[int, Any]:
+    previous: Any,
+) -> tuple[dict[int, Any], Any]:
     """One component's new state computed in place, slice by slice: each stored leaf, by
-    flat output index (the updates' count first). Its updates are computed on whole
-    arrays where they cannot be written into their gradients' buffers."""
+    flat output index (the updates' count first), and the scalar its loop returned
+    (``previous`` when none ran), for which the next component's loop waits. Its
+    updates are computed on whole arrays where they cannot be written into their
+    gradients' buffers."""
     outvars = program.outvars
     state_outputs = [
         i
@@ -354,8 +356,11 @@ def _run_component(
         if blocks
         else {}
     )
-    for position, _ in carriers.values():
-        del others[position], other_values[position], other_functions[position]
+    taken = {position for position, _ in carriers.values()}
+    others, other_values, other_functions = (
+        [x for position, x in enumerate(inputs) if position not in taken]
+        for inputs in (others, other_values, other_functions)
+    )
     rows, row_length = layout.rows, layout.row_length
     counts = {
         platform: trip_count(rows, row_length, elements) if blocks else 1
@@ -363,8 +368,6 @@ def _run_component(
     }
     update_indices = list(carriers)
     carrier_inputs = [carriers[k][1] for k in update_indices]
-
-    previous = after[0] if after else jnp.float32(0)
 
     def run(iterations: int) -> tuple[list[list[Any]], list[Any], Any]:
         state_arrays, update_arrays, done = _loop(
@@ -387,7 +390,6 @@ def _run_component(
         carry, updates, done = lax.platform_dependent(
             **{platform: functools.partial(run, count) for platform, count in counts.items()}
         )
-    after[:] = [done]
     results = {
         count + i: slots[i].stored(carry[position], stored[i])
         for position, i in enumerate(state_outputs)
@@ -397,7 +399,7 @@ def _run_component(
         # skip's rewrite sees the mark
         results = {i: jax.tree.map(skip_applied, leaf) for i, leaf in results.items()}
     results.update(zip(update_indices, updates, strict=True))
-    return results
+    return results, done
 
 
 def _gradient_carriers(
@@ -410,8 +412,8 @@ def _gradient_carriers(
     other_functions: list[Callable[[Any], Any] | None],
 ) -> dict[int, tuple[int, tuple[Any, Any, Callable[[Any], Any] | None]]]:
     """For each update of ``component`` (by flat output index) written into its
-    gradient's buffer: the gradient's position in ``others`` (positions in descending
-    order, so that they can be deleted in turn) and ``(variable, source, function)``.
+    gradient's buffer: the gradient's position in ``others`` and ``(variable, source,
+    function)``.
     An update is written where the program's input of the same index (the gradient of
     the same leaf) is read by the component, and it, or the array it is computed from
     elementwise, has the update's shape and dtype and is computed in the step (as a
@@ -433,7 +435,7 @@ def _gradient_carriers(
             # computed on whole arrays needs only a copy of the narrow old state
             continue
         found[k] = (position, (gradient, source, other_functions[position]))
-    return dict(sorted(found.items(), key=lambda item: -item[1][0]))
+    return found
 
 
 def _loop(
