@@ -264,10 +264,10 @@ def test_a_training_steps_state_costs_little_beyond_its_gradients():
 def test_an_update_written_into_its_gradients_buffer_is_the_update_computed_whole(fmt, monkeypatch):
     # the same step with its gradients passed (the update computed on whole arrays,
     # outside the loop) and computed in it (the update written into the gradients'
-    # buffer, in 4 to 96 iterations): the same state bit for bit, the same parameters to
-    # float32's rounding (XLA fuses the update into the addition that applies it in one,
-    # and adds it after the loop in the other: a last bit apart where it contracts a
-    # multiplication and an addition into one rounding)
+    # buffer, in 4 to 96 iterations): the same codes bit for bit, the scales and the
+    # parameters to float32's rounding (XLA fuses the update into the addition that
+    # applies it in one, and adds it after the loop in the other: a last bit apart where
+    # it contracts a multiplication and an addition into one rounding)
     params = {
         "w": jax.random.normal(jax.random.key(0), (96, 256)) * 0.1,
         "v": jax.random.normal(jax.random.key(1), (8192,)),
@@ -275,22 +275,29 @@ def test_an_update_written_into_its_gradients_buffer_is_the_update_computed_whol
     monkeypatch.setattr(_in_place, "CPU_SLICE", 1024)
     tx = jaxscale.grad_scaler(jaxscale.low_precision_state(adamw(), fmt), init_scale=2.0**4)
 
-    @jax.jit
-    def given(params, state, grads):
+    def apply(params, state, grads):
         updates, state = tx.update(grads, state, params)
         return jax.tree.map(jnp.add, params, updates), state
 
+    given = jax.jit(apply)
+
     @jax.jit
     def in_step(params, state, scale):
-        # times a power of two (or infinity): exactly the passed gradients
-        return given(params, state, jax.tree.map(lambda p: p * scale, params))
+        # times a power of two (or infinity): exactly the passed gradients; not through
+        # the jitted `given`, in whose trace they would be its arguments again
+        return apply(params, state, jax.tree.map(lambda p: p * scale, params))
 
     current, state = params, tx.init(params)
     for scale in [1.0, 0.5, float("inf"), 2.0]:  # the third step's gradients overflow
         expected = given(current, state, jax.tree.map(lambda p, s=scale: p * s, current))
         got = in_step(current, state, jnp.float32(scale))
         for a, b in zip(jax.tree.leaves(expected[1]), jax.tree.leaves(got[1]), strict=True):
-            np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
+            if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize == 4:
+                # the blocks' float32 scales: the new moments they are the maxima of are
+                # computed in another fusion beside the update, a last bit apart at most
+                np.testing.assert_allclose(a, b, rtol=2.5e-7, atol=0)
+            else:  # the codes, the counts, the bfloat16 moments: bit for bit
+                np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
         for a, b in zip(jax.tree.leaves(expected[0]), jax.tree.leaves(got[0]), strict=True):
             np.testing.assert_allclose(a, b, rtol=2e-7, atol=1e-9)
         if scale == float("inf"):  # skipped: nothing moved
