@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -93,18 +94,27 @@ class Float8Report:
       kept: the matmuls the proposal keeps in the autocast dtype: the largest errors,
         one at a time, until every other matmul's is at most ``bound`` (or the FLOPs
         kept would exceed ``keep_at_most``).
+      unmeasured: the matmuls the recipe could take inside a ``jax.custom_vjp`` or
+        ``jax.custom_jvp`` (the steps of a Diffrax solve, say), whose gradients the
+        user's rule computes where the report cannot measure them; autocast runs them
+        in the recipe, and the proposal's filter takes them.
+      unmeasured_flops: their share of the step's matmul FLOPs.
     """
 
     recipe: str
     matmuls: tuple[MatmulError, ...]
     bound: float
     kept: tuple[MatmulError, ...]
+    unmeasured: tuple[MatmulSite, ...] = ()
+    unmeasured_flops: float = 0.0
 
     @property
     def float8_flops(self) -> float:
-        """The share of the step's matmul FLOPs the proposal runs in the recipe."""
+        """The share of the step's matmul FLOPs the proposal runs in the recipe (the
+        :attr:`unmeasured` matmuls' among them)."""
         chosen = {id(m) for m in self.kept}
-        return sum(m.flops for m in self.matmuls if id(m) not in chosen)
+        measured = sum(m.flops for m in self.matmuls if id(m) not in chosen)
+        return measured + self.unmeasured_flops
 
     def proposed_filter(self) -> Callable[[MatmulSite], bool]:
         """A ``float8_filter`` refusing the :attr:`kept` matmuls (matched by name stack,
@@ -147,6 +157,12 @@ class Float8Report:
             f"{100 * self.float8_flops:.1f}% of matmul FLOPs in {self.recipe}; bound "
             f"{100 * self.bound:.2f}%"
         )
+        if self.unmeasured:
+            lines.append(
+                f"not measured: {len(self.unmeasured)} matmuls inside a custom_vjp or "
+                f"custom_jvp, {100 * self.unmeasured_flops:.1f}% of matmul FLOPs, in "
+                f"{self.recipe}"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -224,6 +240,8 @@ def float8_report(
     sites: list[tuple[MatmulSite, float]] = []
     rows: list[tuple[int, int | None]] = []  # each matmul's first row, and its layers
     other_flops = [0.0]
+    # float8 matmuls inside a custom_vjp or custom_jvp, whose gradients its rule computes
+    unmeasured: list[tuple[MatmulSite, float]] = []
     with state_writes_marked():
         call = TracedCall(fn, args, kwargs)
 
@@ -236,7 +254,7 @@ def float8_report(
         recording = probes is None
         autocaster.matmul_hook = _hook(
             resolved, compute_dtype, key, probes, sites if recording else None, rows,
-            other_flops,
+            other_flops, unmeasured,
         )  # fmt: skip
         autocaster.name_inputs(inputs, call.input_paths)
         return autocaster.run(call.closed, inputs, [Tag.GIVEN] * len(inputs))[0]
@@ -248,15 +266,27 @@ def float8_report(
         raise TypeError(
             f"float8_report needs fn to return a scalar floating loss, got {loss_shape}"
         )
+    inside_rules = _rule_sites_text([site for site, _ in unmeasured])
     if not sites:
+        if unmeasured:
+            raise ValueError(
+                f"float8_report cannot measure fn's float8 matmuls {inside_rules}; measure "
+                "the function the rule calls instead (a solver's vector field, say, on "
+                "representative inputs)"
+            )
         raise ValueError(
             f"fn has no matmul the {getattr(resolved, 'name', resolved)!r} recipe could take "
             "(a 2-D dot_general whose sizes are multiples of 16, or of an MX block)"
         )
+    if unmeasured:
+        warnings.warn(
+            f"float8_report leaves out of its table and proposal the float8 matmuls {inside_rules}",
+            stacklevel=2,
+        )
     zeros = jnp.zeros((len(sites), _STATS), jnp.float32)
     gradient = jax.jit(jax.grad(lambda p, inputs: measure(p, inputs).astype(jnp.float32)))
     sums = np.asarray(gradient(zeros, call.inputs), np.float64)
-    total = sum(f for _, f in sites) + other_flops[0]
+    total = sum(f for _, f in sites) + sum(f for _, f in unmeasured) + other_flops[0]
     matmuls = tuple(
         MatmulError(
             site=site,
@@ -283,6 +313,20 @@ def float8_report(
         matmuls=matmuls,
         bound=float(bound),
         kept=tuple(m for m in matmuls if id(m) in kept_ids),
+        unmeasured=tuple(site for site, _ in unmeasured),
+        unmeasured_flops=sum(f for _, f in unmeasured) / total if total else 0.0,
+    )
+
+
+def _rule_sites_text(unmeasured: list[MatmulSite]) -> str:
+    """The matmuls inside ``jax.custom_vjp`` rules, and why they are not measured."""
+    labels = sorted({_label(site) for site in unmeasured})
+    shown = ", ".join(labels[:4]) + (f" and {len(labels) - 4} more" if len(labels) > 4 else "")
+    return (
+        f"{shown} (inside a jax.custom_vjp or jax.custom_jvp, as the steps of a Diffrax "
+        "solve or an Equinox checkpointed loop are: the user's rule computes their "
+        "gradients, where the report's probes cannot reach; autocast still runs them in "
+        "the recipe)"
     )
 
 
@@ -300,6 +344,7 @@ def _hook(
     sites: list[tuple[MatmulSite, float]] | None,
     rows: list[tuple[int, int | None]],
     other_flops: list[float],
+    unmeasured: list[tuple[MatmulSite, float]],
 ) -> Any:
     """The matmul hook of one pass: the first (no probes) records the sites, their
     FLOPs and their probe rows; the second measures each site into its probe's
@@ -315,6 +360,13 @@ def _hook(
             if sites is not None:
                 other_flops[0] += _batched_flops(lhs.shape, rhs.shape, dims) * autocaster.repeats
             return None
+        if autocaster.custom_rule_depth:
+            # within a jax.custom_vjp or jax.custom_jvp: its rule computes the gradients,
+            # and a probe of the report's would be a value the rule closes over
+            if sites is not None:
+                flops = _batched_flops(lhs.shape, rhs.shape, dims) * autocaster.repeats
+                unmeasured.append((autocaster.site(eqn, invals), flops))
+            return _reference(lhs, rhs, dims)
         autocaster.site_count += 1
         index = count[0]
         count[0] += 1

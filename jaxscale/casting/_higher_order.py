@@ -10,9 +10,10 @@ with, since a loop needs its carry's type to be the same on every iteration.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -352,9 +353,16 @@ def _custom_jvp(autocaster: Autocaster, eqn: Any, invals: list[Any],
     traced = list(call.in_avals)  # abstract values: shapes, dtypes, varying mesh axes
 
     def primal(*args: Any) -> list[Any]:
-        return autocaster.eval_in_place_of(call.jaxpr, call.consts, args, invals, in_tags)
+        with _in_custom_rule(autocaster):
+            return autocaster.eval_in_place_of(call.jaxpr, call.consts, args, invals, in_tags)
 
     def jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        with _in_custom_rule(autocaster):
+            return evaluated_jvp(primals, tangents)
+
+    def evaluated_jvp(
+        primals: Sequence[Any], tangents: Sequence[Any]
+    ) -> tuple[list[Any], list[Any]]:
         out_shapes = jax.eval_shape(primal, *primals)
         if not wants_symbolic_zeros:
             tangents = [_instantiate(t) for t in tangents]
@@ -443,9 +451,14 @@ def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any],
     cotangent_avals = [_tangent_aval(a) for a in call.out_avals]
 
     def primal(*args: Any) -> list[Any]:
-        return autocaster.eval_in_place_of(call.jaxpr, call.consts, args, invals, in_tags)
+        with _in_custom_rule(autocaster):
+            return autocaster.eval_in_place_of(call.jaxpr, call.consts, args, invals, in_tags)
 
     def forward(*inputs: Any) -> tuple[list[Any], tuple[list[Any], _BackwardFacts]]:
+        with _in_custom_rule(autocaster):
+            return evaluated_forward(*inputs)
+
+    def evaluated_forward(*inputs: Any) -> tuple[list[Any], tuple[list[Any], _BackwardFacts]]:
         values = [i.value for i in inputs]
         perturbed = [bool(i.perturbed) for i in inputs]
         (_, fwd, _), bind_params = bind_protocol(eqn)
@@ -480,6 +493,12 @@ def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any],
         return cast_floating(outs[computed:], out_dtypes), (residuals, facts)
 
     def backward(saved: tuple[list[Any], _BackwardFacts], cotangents: Any) -> tuple[Any, ...]:
+        with _in_custom_rule(autocaster):
+            return evaluated_backward(saved, cotangents)
+
+    def evaluated_backward(
+        saved: tuple[list[Any], _BackwardFacts], cotangents: Any
+    ) -> tuple[Any, ...]:
         residuals, facts = saved
         if not wants_symbolic_zeros:
             cotangents = [_instantiate(c) for c in cotangents]
@@ -508,6 +527,15 @@ def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any],
     rebuilt = jax.custom_vjp(primal)
     rebuilt.defvjp(forward, backward, symbolic_zeros=True)
     return list(rebuilt(*invals)), []
+
+
+@contextlib.contextmanager
+def _in_custom_rule(autocaster: Autocaster) -> Iterator[None]:
+    autocaster.custom_rule_depth += 1
+    try:
+        yield
+    finally:
+        autocaster.custom_rule_depth -= 1
 
 
 @jax.tree_util.register_static

@@ -292,6 +292,9 @@ class Autocaster:
         # measures each matmul in place of running it (jaxscale.float8_report): called
         # with (autocaster, eqn, operands), returns the result or None to run it as usual
         self.matmul_hook: Callable[[Autocaster, Any, list[Any]], Any] | None = None
+        # how many functions of a ``jax.custom_vjp`` or ``jax.custom_jvp`` (the primal and
+        # the user's rules) are being evaluated: their derivative is the rule's
+        self.custom_rule_depth = 0
         self.device_type = device_type
         # float32: the matmuls' gradients of operands narrowed from float32 stay float32
         self.grad_dtype = grad_dtype

@@ -227,3 +227,93 @@ def test_mistakes_are_named():
         float8_report(loss, PARAMS, X, keep_at_most=2.0)
     with pytest.raises(ValueError, match="needs a key"):
         float8_report(loss, PARAMS, X, recipe="nvfp4")
+
+
+@jax.custom_vjp
+def clipped_product(x, w):
+    return x @ w
+
+
+def _clipped_forward(x, w):
+    return x @ w, (x, w)
+
+
+def _clipped_backward(saved, g):
+    x, w = saved
+    return jnp.clip(g @ w.T, -1.0, 1.0), x.T @ g
+
+
+clipped_product.defvjp(_clipped_forward, _clipped_backward)
+
+
+@jax.custom_jvp
+def smooth_product(x, w):
+    return jnp.tanh(x @ w)
+
+
+@smooth_product.defjvp
+def _smooth_jvp(primals, tangents):
+    (x, w), (dx, dw) = primals, tangents
+    y = jnp.tanh(x @ w)
+    return y, (1 - y**2) * (dx @ w + x @ dw)
+
+
+def test_matmuls_inside_a_users_derivative_rule_are_named_and_left_out():
+    # A jax.custom_vjp's backward rule (or a custom_jvp's JVP rule) computes the
+    # gradients of the matmuls inside it, where the report's probes cannot reach: they
+    # are left out of the table (they raised JAX's UnexpectedTracerError), named in a
+    # warning and counted in the FLOPs autocast runs in the recipe. The matmul outside
+    # measures what it measures in the same function written without the rules.
+    params = {**PARAMS, "middle": PARAMS["body"] * 0.5}
+
+    def with_rules(params, x):
+        h = clipped_product(smooth_product(x, params["body"]), params["middle"])
+        return jnp.mean(jnp.square(h @ params["head"]))
+
+    def without(params, x):
+        h = jnp.tanh(x @ params["body"]) @ params["middle"]
+        return jnp.mean(jnp.square(h @ params["head"]))
+
+    with pytest.warns(UserWarning, match=r"\[0\]\['body'\], \[0\]\['middle'\] \(inside a jax"):
+        report = float8_report(with_rules, params, X, recipe="rowwise")
+    plain = float8_report(without, params, X, recipe="rowwise")
+    assert [m.site.weight for m in report.matmuls] == ["[0]['head']"]
+    assert [s.weight for s in report.unmeasured] == ["[0]['body']", "[0]['middle']"]
+    head = plain.matmuls[-1]
+    assert report.matmuls[0].output == head.output
+    assert report.matmuls[0].weight_grad == head.weight_grad
+    assert report.matmuls[0].flops == pytest.approx(head.flops)  # 32x64x32 of 3 matmuls: 1/5
+    assert report.unmeasured_flops == pytest.approx(0.8)
+    assert report.float8_flops == pytest.approx(1.0)
+    assert report.table().splitlines()[-1] == (
+        "not measured: 2 matmuls inside a custom_vjp or custom_jvp, 80.0% of matmul FLOPs, "
+        "in rowwise"
+    )
+
+
+def test_a_model_stepped_in_a_checkpointed_loop_is_refused_with_the_reason():
+    # Diffrax runs a solver's steps in Equinox's checkpointed while loop, a custom_vjp:
+    # with every matmul inside it, nothing can be measured, and the error says why.
+    import equinox as eqx
+
+    def solve(params, y):
+        def step(carry):
+            i, y = carry
+            return i + 1, y + 0.1 * jnp.tanh(y @ params["body"])
+
+        _, y = eqx.internal.while_loop(
+            lambda c: c[0] < 4, step, (0, y), max_steps=8, kind="checkpointed"
+        )
+        return jnp.mean(jnp.square(y))
+
+    with pytest.raises(ValueError, match=r"cannot measure fn's float8 matmuls \[0\]\['body'\]"):
+        float8_report(solve, PARAMS, X, recipe="rowwise")
+    # autocast runs the loop's forward matmul in the recipe (in the forward rule, and
+    # where the backward rule computes the forward again); the backward rule's own
+    # matmuls, whose derivative JAX took when the rule was written, run in bfloat16
+    fn = jaxscale.autocast(solve, dtype=BF16, float8="rowwise")
+    assert matmul_dtypes(jax.make_jaxpr(jax.grad(fn))(PARAMS, X)) == {
+        ("float8_e4m3fn", "float8_e4m3fn", "float32"): 2,
+        ("bfloat16", "bfloat16", "bfloat16"): 2,
+    }
+    assert np.isfinite(jax.grad(fn)(PARAMS, X)["body"]).all()
