@@ -11,7 +11,9 @@ float32 parameters:
 * on float32 parameters: ``low_precision_state(adamw, dtype)`` for bfloat16,
   float8_e4m3fn, 8 and 4 bits (torchao's ``AdamWFp8``, ``AdamW8bit`` and
   ``AdamW4bit`` formats), and the compositions ``master_weights(low_precision_state)``
-  and ``grad_scaler(low_precision_state)``.
+  and ``grad_scaler(low_precision_state)``;
+* gradient accumulation (``optax.MultiSteps``) outside and inside the 8-bit state
+  (memory only).
 
 Memory is read from the step compiled on abstract shapes (``jax.ShapeDtypeStruct``;
 nothing is allocated), as bytes per parameter: at rest (the step's arguments:
@@ -81,6 +83,21 @@ VARIANTS: dict[str, tuple[Any, Callable[[], optax.GradientTransformation]]] = {
     ),
 }  # fmt: skip
 BASELINE = "adamw, float32 parameters (baseline)"
+
+
+def accumulating(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    return optax.MultiSteps(tx, every_k_schedule=4).gradient_transformation()
+
+
+# optax.MultiSteps applies its inner update inside a lax.cond, which the state's slice
+# loop cannot enter: the order of the two decides the step's peak
+ACCUMULATING: dict[str, Callable[[], optax.GradientTransformation]] = {
+    "MultiSteps(adamw), float32 state": lambda: accumulating(adamw()),
+    "MultiSteps(low_precision_state(adamw, int8))": lambda: accumulating(state("int8")()),
+    "low_precision_state(MultiSteps(adamw), int8)": lambda: jaxscale.low_precision_state(
+        accumulating(adamw()), "int8"
+    ),
+}
 ALLOCATORS = {
     "default": "the C library's allocator as it is",
     "reuse": "freed memory kept for reuse (benchmarks/allocation.py)",
@@ -258,6 +275,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(
             f"| {name} | {row['at rest']:.2f} | {row['temporaries']:.2f} "
             f"| {beyond:.2f} | {row['peak']:.2f} |",
+            flush=True,
+        )
+    print(f"\nGradient accumulation (optax.MultiSteps, k=4), the training step, {args.layout}:\n")
+    print("| variant | at rest | temporaries | peak |")
+    print("|---|---|---|---|")
+    for name, make_tx in ACCUMULATING.items():
+        row = training_step_memory(F32, make_tx, n_params, n_leaves)
+        footprint[name] = {"training step": row}
+        print(
+            f"| {name} | {row['at rest']:.2f} | {row['temporaries']:.2f} | {row['peak']:.2f} |",
             flush=True,
         )
     if args.memory_only:
