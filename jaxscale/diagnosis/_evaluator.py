@@ -87,6 +87,16 @@ class CarryingEvaluator:
         is put aside)."""
         return carry
 
+    def finish(self, carry: Any, iteration: Any, out_infos: list[Any]) -> Any:
+        """The carry when a jaxpr (not evaluated inline) ends, ``out_infos`` being what is
+        kept about its outputs: by default, :meth:`settle`'s."""
+        return self.settle(carry, iteration)
+
+    def link_outputs(self, values: Sequence[Any]) -> None:
+        """Called by a rule whose equation's outputs are computed as ``values`` are (a
+        custom derivative's body, evaluated beside the equation bound as traced),
+        before :meth:`after_equation` of that equation."""
+
     def loop_carry(self, carry: Any, body: Callable[[Any], Any]) -> Any:
         """``carry`` completed to the structure ``body(carry)`` returns, so that a loop
         can carry it (for carries that grow as equations are found)."""
@@ -162,7 +172,9 @@ class CarryingEvaluator:
                 ran = EquationRun(eqn, invals, in_infos, outvals, out_infos, iteration, phase, here)
                 carry = self.after_equation(ran, carry)
         outs = [read(v) for v in jaxpr.outvars]
-        return outs, (carry if inline else self.settle(carry, iteration))
+        if inline:
+            return outs, carry
+        return outs, self.finish(carry, iteration, [info_of(v) for v in jaxpr.outvars])
 
     def _location(self, eqn: Any, place: Location | None) -> Location:
         if place is not None and place.user:
@@ -199,6 +211,13 @@ _RULES: dict[str, Rule] = {}
 # caller's. (A float8 matmul is made of dozens of small jitted functions; settling each
 # apart made its instrumented program 20 times the size of the plain one.)
 _INLINE_RULES: list[Rule] = []
+
+
+def runs_apart(eqn: Any) -> bool:
+    """Whether ``eqn`` is a higher-order equation whose jaxprs are evaluated in traces of
+    their own (a loop's body, a branch, a checkpointed body)."""
+    rule = _RULES.get(eqn.primitive.name)
+    return rule is not None and rule not in _INLINE_RULES
 
 
 def _rule(*names: str, inline: bool = False) -> Callable[[Rule], Rule]:
@@ -334,7 +353,8 @@ def _custom(evaluator: CarryingEvaluator, eqn: Any, invals: list[Any], carry: An
     # its body is evaluated beside it for the carry (XLA computes the common part once).
     outs = bind_in_context(eqn, invals)
     call = params["call_jaxpr"]
-    _, carry = evaluator.eval(
+    body_outs, carry = evaluator.eval(
         call.jaxpr, call.consts, invals, carry, iteration, inline=True, **phase.inner()
     )
+    evaluator.link_outputs(body_outs)
     return outs, carry

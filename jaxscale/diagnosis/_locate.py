@@ -1,10 +1,13 @@
-"""``locate_nonfinite``: where, in a traced program, the first inf or NaN was born.
+"""``locate_nonfinite``: where, in a traced program, the first inf or NaN that reaches
+the outputs was born.
 
 The function is traced to a jaxpr and evaluated anew (:mod:`._evaluator`), every
 value bitwise the function's own, carrying a small :class:`Record`: after each
 equation, an output holding a NaN where none of the equation's inputs held one,
-or an infinity where none held one, is an origin, and the first origin is kept
-with ``where``.
+or an infinity where none held one, is a possible origin. When a jaxpr ends (the
+function's, a loop body's, a branch's), the possible origins from which a chain of
+non-finite values leads to its outputs are origins, and the first is kept with
+``where``.
 
 Each possible origin gets an entry in a host-side table built while tracing: the
 primitive, forward or backward, the user's source line and the output dtype.
@@ -13,7 +16,7 @@ primitive, forward or backward, the user's source line and the output dtype.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -25,7 +28,12 @@ from jaxscale._src.jaxprs import is_ref, is_traced, name_stack_text
 from jaxscale._src.leaves import read_references
 from jaxscale._src.scopes import in_float8_matmul
 from jaxscale._src.stateful_call import TracedCall
-from jaxscale.diagnosis._evaluator import NOT_IN_A_LOOP, CarryingEvaluator, EquationRun
+from jaxscale.diagnosis._evaluator import (
+    NOT_IN_A_LOOP,
+    CarryingEvaluator,
+    EquationRun,
+    runs_apart,
+)
 from jaxscale.diagnosis._report import (
     INF,
     NAN,
@@ -76,17 +84,55 @@ class _Deferred:
 Info = Any  # None (not floating), a known int32 code, or a _Deferred value
 
 
+class _Node:
+    """A floating output of an equation of the jaxpr being evaluated: its table entry,
+    the value it is (by identity) and the values it was computed from."""
+
+    __slots__ = ("entry", "inputs", "key")
+
+    def __init__(self, entry: int, key: int | None, inputs: list[int]):
+        self.entry, self.key, self.inputs = entry, key, inputs
+
+
+class _Level:
+    """What is kept while one jaxpr (a function, a loop's body, a branch) is evaluated:
+    the equations not yet settled, every output settled (its node, whether it is
+    non-finite, whether it was born non-finite there and how), and the higher-order
+    equations that ran, each as (the nodes before it, the carry it took, the carry it
+    gave, how many floating outputs it has: the nodes after those)."""
+
+    def __init__(self, carry: Any):
+        self.start = carry
+        self.pending: list[tuple[Info, list[Info], int]] = []
+        self.nodes: list[_Node] = []
+        self.nonfinite: list[jax.Array] = []
+        self.born: list[jax.Array] = []
+        self.kinds: list[jax.Array] = []
+        self.calls: list[tuple[int, Any, Any, int]] = []
+        self.settled_carry = carry
+        self.linked: list[Any] = []
+
+
+def _key(info: Info) -> int | None:
+    """The identity of the value ``info`` describes (a value an equation keeps as it
+    was, a reshape say, shares its input's)."""
+    return id(info.value) if isinstance(info, _Deferred) else None
+
+
 class Locator(CarryingEvaluator):
-    """Carries the first origin of a non-finite value (a :class:`Record`); keeps the
-    table of possible origins."""
+    """Carries the first origin of a non-finite value that reaches the outputs (a
+    :class:`Record`); keeps the table of possible origins.
+
+    Within each jaxpr evaluated apart (the function, a loop's body, a branch), an
+    output born non-finite counts as an origin only where a chain of non-finite values
+    leads from it to the jaxpr's outputs (or into a higher-order equation whose
+    outputs are non-finite): a value the code masks (``jnp.where`` discarding a NaN,
+    a clip of an infinite factor) is not the origin of anything."""
 
     def __init__(self) -> None:
         self.origins: list[Origin] = []
-        # per jaxpr being evaluated: its equations not yet folded into the record, each
-        # as (its output's info, its inputs' infos, its table entry). They are folded
-        # at once, in vector operations: fewer for XLA to compile than a few scalar
-        # operations per equation.
-        self._pending: list[list[tuple[Info, list[Info], int]]] = []
+        # per jaxpr being evaluated apart (one inlined shares its caller's)
+        self._levels: list[_Level] = []
         # per jaxpr being evaluated, the codes computed so far, {id(value): (value,
         # code)}: a value several equations read is reduced once. Per jaxpr, since a
         # loop body's code of a value closed over belongs to the body's trace.
@@ -95,16 +141,24 @@ class Locator(CarryingEvaluator):
     def eval(self, *args: Any, **kwargs: Any) -> tuple[list[Any], Any]:
         if kwargs.get("inline"):  # the caller's trace: its pending equations and codes
             return super().eval(*args, **kwargs)
-        self._pending.append([])
+        carry = args[3] if len(args) > 3 else kwargs["carry"]
+        self._levels.append(_Level(carry))
         self._codes.append({})
         try:
             return super().eval(*args, **kwargs)
         finally:
-            self._pending.pop()
+            self._levels.pop()
             self._codes.pop()
 
     def settle(self, carry: Any, iteration: Any) -> Any:
-        pending = self._pending[-1] if self._pending else []
+        # The equations so far become nodes, their codes computed in vector operations
+        # (fewer for XLA to compile than a few scalar operations per equation); which
+        # of them are origins is decided when the jaxpr ends.
+        level = self._levels[-1] if self._levels else None
+        if level is None:
+            return carry
+        level.settled_carry = carry
+        pending = level.pending
         if not pending:
             return carry
         self._compute_codes([info for out, ins, _ in pending for info in (out, *ins)])
@@ -126,13 +180,92 @@ class Locator(CarryingEvaluator):
             table[row, : len(columns)] = columns
         vector = jnp.concatenate([jnp.stack(codes), jnp.zeros((1,), jnp.int32)])
         in_codes = lax.reduce(vector[table], np.int32(0), lax.bitwise_or, (1,))
+        out_codes = vector[outputs]
         # a NaN where no input held one, or an infinity where none held one
-        born = jnp.bitwise_and(vector[outputs], jnp.bitwise_not(in_codes))
-        first = jnp.argmax(born != 0)
-        kind = jnp.where(jnp.bitwise_and(born[first], NAN) != 0, NAN, INF)
-        entries = jnp.asarray([entry for _, _, entry in pending], jnp.int32)
+        born = jnp.bitwise_and(out_codes, jnp.bitwise_not(in_codes))
+        level.nonfinite.append(out_codes != 0)
+        level.born.append(born != 0)
+        level.kinds.append(jnp.where(jnp.bitwise_and(born, NAN) != 0, NAN, INF))
+        for out, ins, entry in pending:
+            keys = [k for k in (_key(info) for info in ins) if k is not None]
+            level.nodes.append(_Node(entry, _key(out), keys))
         pending.clear()
-        return keep_first(carry, jnp.any(born != 0), entries[first], iteration, kind)
+        return carry
+
+    def finish(self, carry: Any, iteration: Any, out_infos: list[Any]) -> Any:
+        level = self._levels[-1]
+        self.settle(carry, iteration)
+        if not level.nodes:
+            return carry
+        reaching = self._reaching(level, out_infos)
+        born = jnp.logical_and(jnp.concatenate(level.born), reaching)
+        kinds = jnp.concatenate(level.kinds)
+        entries = np.asarray([node.entry for node in level.nodes], np.int32)
+        # In the order things ran: the origins of each run of equations, and what each
+        # higher-order equation found inside (it was given the carry without this
+        # jaxpr's origins before it, which are earlier).
+        record, start = level.start, 0
+        for position, before, after, outputs in [*level.calls, (len(level.nodes), None, None, 0)]:
+            if position > start:
+                run = born[start:position]
+                first = jnp.argmax(run)
+                record = keep_first(
+                    record, jnp.any(run), jnp.asarray(entries[start:position])[first],
+                    iteration, kinds[start:position][first],
+                )  # fmt: skip
+            if before is not None:
+                # found inside, and what it found reaches this jaxpr's outputs
+                inside = jnp.logical_and(after.found, jnp.logical_not(before.found))
+                inside = jnp.logical_and(inside, jnp.any(reaching[position : position + outputs]))
+                record = keep_first(record, inside, after.entry, after.iteration, after.kind)
+            start = position
+        return record
+
+    def _reaching(self, level: _Level, out_infos: list[Any]) -> jax.Array:
+        """Whether each node is non-finite and a chain of non-finite nodes leads from it
+        to the jaxpr's outputs."""
+        count = len(level.nodes)
+        producer: dict[int, int] = {}
+        sources: list[int] = []
+        targets: list[int] = []
+        depth = np.zeros(count, np.int64)  # the longest chain of nodes ending at each
+        for index, node in enumerate(level.nodes):
+            for key in node.inputs:
+                made = producer.get(key)
+                if made is not None:
+                    sources.append(made)
+                    targets.append(index)
+                    depth[index] = max(depth[index], depth[made] + 1)
+            if node.key is not None:
+                # the same value again: a nested jit's output is its last equation's
+                made = producer.get(node.key)
+                if made is not None:
+                    sources.append(made)
+                    targets.append(index)
+                    depth[index] = max(depth[index], depth[made] + 1)
+                producer[node.key] = index
+        sink = np.zeros(count, bool)
+        for info in out_infos:
+            output = _key(info)
+            if output is not None and output in producer:
+                sink[producer[output]] = True
+        nonfinite = jnp.concatenate(level.nonfinite)
+        reaching = jnp.logical_and(nonfinite, sink)
+        if not sources:
+            return reaching
+        source_index = np.asarray(sources, np.int32)
+        target_index = np.asarray(targets, np.int32)
+
+        def step(_: Any, reaching: Any) -> Any:
+            # a node reaches the outputs where one it feeds does
+            fed = (
+                jnp.zeros((count,), jnp.int32)
+                .at[source_index]
+                .max(reaching[target_index].astype(jnp.int32))
+            )
+            return jnp.logical_and(nonfinite, jnp.logical_or(sink, fed > 0))
+
+        return lax.fori_loop(0, int(depth.max()), step, reaching)
 
     def _compute_codes(self, infos: list[Info]) -> None:
         needed = {}
@@ -163,7 +296,7 @@ class Locator(CarryingEvaluator):
         # checked where it was made, and what is read from it is checked as read.
         if not is_floating(value) or is_ref(value):
             return None
-        if np.ndim(value) == 0 and not is_traced(value):
+        if np.ndim(value) == 0 and not is_traced(value) and not isinstance(value, jax.Array):
             return nonfinite_code(value)  # a literal: known now
         return _Deferred(value)
 
@@ -174,11 +307,22 @@ class Locator(CarryingEvaluator):
             return [in_infos[0]] * len(outvals)  # exactly the input's: nothing to read
         return super().output_infos(eqn, invals, in_infos, outvals)
 
+    def link_outputs(self, values: Sequence[Any]) -> None:
+        # a custom derivative's outputs are its body's, evaluated beside it
+        self._levels[-1].linked = [v for v in values if is_floating(v)]
+
     def after_equation(self, ran: EquationRun, carry: Any) -> Any:
         eqn = ran.eqn
+        level = self._levels[-1]
+        linked, level.linked = level.linked, []
+        if runs_apart(eqn):
+            # settled just before it ran: what it found inside, in its place
+            outputs = sum(info is not None for info in ran.out_infos)
+            level.calls.append((len(level.nodes), level.settled_carry, carry, outputs))
         if preserves_nonfinite(eqn):
             return carry  # its output holds the inf and NaN of its input, no others
         known_inputs = [info for info in ran.in_infos if info is not None]
+        known_inputs += [_Deferred(value) for value in linked]
         for value, info in zip(ran.outvals, ran.out_infos, strict=True):
             if info is None:
                 continue
@@ -191,7 +335,7 @@ class Locator(CarryingEvaluator):
                     location=ran.here,
                 )
             )
-            self._pending[-1].append((info, known_inputs, entry))
+            level.pending.append((info, known_inputs, entry))
         return carry
 
 
@@ -199,8 +343,8 @@ class Locator(CarryingEvaluator):
 
 
 def locate_nonfinite(fn: F) -> Callable[..., tuple[Any, NonfiniteReport]]:
-    """Find where the first inf or NaN of a call was born: which operation, forward or
-    backward, which line, which loop iteration.
+    """Find where the first inf or NaN that reaches a call's outputs was born: which
+    operation, forward or backward, which line, which loop iteration.
 
     ``locate_nonfinite(fn)`` returns a function with ``fn``'s signature that returns
     ``(fn(*args, **kwargs), report)``. The outputs are bitwise ``fn``'s. ``report``
@@ -212,7 +356,10 @@ def locate_nonfinite(fn: F) -> Callable[..., tuple[Any, NonfiniteReport]]:
     The origin is the first operation, in evaluation order, whose output holds a
     NaN where none of its floating inputs held one, or an infinity where none of
     its inputs held one (an intended ``-inf`` mask is no origin; the
-    ``-inf - (-inf)`` of a fully masked softmax row is). A non-finite value already
+    ``-inf - (-inf)`` of a fully masked softmax row is), and from which a chain of
+    non-finite values leads to the outputs: a value the code masks (a NaN
+    ``jnp.where`` discards, an infinite factor clipped) is none, and hides nothing
+    after it. Of ``jax.grad(f)``, the outputs are the gradients. A non-finite value already
     in an argument is reported as the origin ``argument`` with its path, and one in
     an array the function closes over (a batch captured by a ``lambda``) as
     ``closed-over`` with its shape. The search
@@ -231,8 +378,8 @@ def locate_nonfinite(fn: F) -> Callable[..., tuple[Any, NonfiniteReport]]:
     >>> import jax, jax.numpy as jnp, jaxscale
     >>> def loss(w, x):
     ...     return jnp.sum(jnp.log(x @ w))
-    >>> grad_fn = jaxscale.locate_nonfinite(jax.grad(loss))
-    >>> grads, report = jax.jit(grad_fn)(jnp.ones((2, 2)), jnp.array([[-1.0, -1.0]]))
+    >>> grad_fn = jaxscale.locate_nonfinite(jax.value_and_grad(loss))
+    >>> (value, grads), report = jax.jit(grad_fn)(jnp.ones((2, 2)), jnp.array([[-1.0, -1.0]]))
     >>> bool(report.found)
     True
     >>> report.describe().split(" at ")[0], report.describe().split(": ")[-1]

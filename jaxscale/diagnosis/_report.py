@@ -78,10 +78,12 @@ def keep_first(record: Record, found: jax.Array, entry: Any, iteration: Any, kin
 
 @jax.tree_util.register_pytree_node_class
 class NonfiniteReport:
-    """Where the first inf or NaN of a call was born (see :func:`jaxscale.locate_nonfinite`).
+    """Where the first inf or NaN of a call that reached its outputs was born (see
+    :func:`jaxscale.locate_nonfinite`).
 
     Attributes:
-      found: boolean scalar array: whether anything non-finite was born.
+      found: boolean scalar array: whether a non-finite value born in the call reached
+        its outputs.
       entry, iteration, kind: int32 scalar arrays (see :meth:`describe`).
       origins: the host-side table of possible origins (static).
     """
@@ -112,7 +114,7 @@ class NonfiniteReport:
         ``"backward dot_general at model.py:88 (in flax/nnx/nn/linear.py:233),
         iteration 5: inf (float16)"``; ``"argument [0]['b']: nan (float32)"``;
         ``"a value the function closes over, shape (32, 8): inf (float32)"``; or
-        ``"no inf or NaN was born in this call"``.
+        ``"no inf or NaN reached the outputs of this call"``.
         """
         if is_traced(self.record.found):
             raise TypeError(
@@ -121,7 +123,7 @@ class NonfiniteReport:
             )
         record = jax.device_get(self.record)
         if not bool(record.found):
-            return "no inf or NaN was born in this call"
+            return "no inf or NaN reached the outputs of this call"
         origin = self.origins[int(record.entry)]
         where = origin.text()
         if int(record.iteration) >= 0:

@@ -205,7 +205,7 @@ def last_overflow_origin(opt_state: Any, report: Any) -> Any:
     ``report`` is any report of the same located function (the one this step
     returned): it supplies the table the stored origin indexes. Returns a
     :class:`jaxscale.NonfiniteReport`; its ``describe()`` is one line for a log,
-    ``"no inf or NaN was born in this call"`` before any overflow.
+    ``"no inf or NaN reached the outputs of this call"`` before any overflow.
 
     Raises:
       ValueError: if the scaler keeps no overflow origin.
