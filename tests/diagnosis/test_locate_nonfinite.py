@@ -773,3 +773,14 @@ def test_an_infinity_from_a_loop_masked_after_it_is_no_origin():
     outs, report = located(loop_then_mask, W, X)
     assert np.isfinite(outs)
     assert not bool(report.found)
+
+
+def unread_log(x):
+    _ = jnp.log(-x)  # a NaN nothing reads
+    return x * 2.0
+
+
+def test_a_value_nothing_reads_is_no_origin():
+    outs, report = located(unread_log, X)
+    assert np.isfinite(outs).all()
+    assert not bool(report.found)
