@@ -12,7 +12,7 @@ float32 parameters:
   float8_e4m3fn, 8 and 4 bits (torchao's ``AdamWFp8``, ``AdamW8bit`` and
   ``AdamW4bit`` formats), and the compositions ``master_weights(low_precision_state)``
   and ``grad_scaler(low_precision_state)``;
-* gradient accumulation (``optax.MultiSteps``) outside and inside the 8-bit state
+* ``optax.MultiSteps`` and ``optax.apply_if_finite`` outside and inside the 8-bit state
   (memory only).
 
 Memory is read from the step compiled on abstract shapes (``jax.ShapeDtypeStruct``;
@@ -89,13 +89,22 @@ def accumulating(tx: optax.GradientTransformation) -> optax.GradientTransformati
     return optax.MultiSteps(tx, every_k_schedule=4).gradient_transformation()
 
 
-# optax.MultiSteps applies its inner update inside a lax.cond, which the state's slice
-# loop cannot enter: the order of the two decides the step's peak
-ACCUMULATING: dict[str, Callable[[], optax.GradientTransformation]] = {
+def if_finite(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    return optax.apply_if_finite(tx, 3)
+
+
+# optax.MultiSteps and optax.apply_if_finite apply their inner update inside a lax.cond,
+# which the state's slice loop reads as both branches and a selection
+CONDITIONAL: dict[str, Callable[[], optax.GradientTransformation]] = {
     "MultiSteps(adamw), float32 state": lambda: accumulating(adamw()),
     "MultiSteps(low_precision_state(adamw, int8))": lambda: accumulating(state("int8")()),
     "low_precision_state(MultiSteps(adamw), int8)": lambda: jaxscale.low_precision_state(
         accumulating(adamw()), "int8"
+    ),
+    "apply_if_finite(adamw), float32 state": lambda: if_finite(adamw()),
+    "apply_if_finite(low_precision_state(adamw, int8))": lambda: if_finite(state("int8")()),
+    "low_precision_state(apply_if_finite(adamw), int8)": lambda: jaxscale.low_precision_state(
+        if_finite(adamw()), "int8"
     ),
 }
 ALLOCATORS = {
@@ -277,10 +286,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"| {beyond:.2f} | {row['peak']:.2f} |",
             flush=True,
         )
-    print(f"\nGradient accumulation (optax.MultiSteps, k=4), the training step, {args.layout}:\n")
+    print(
+        "\nConditional updates (optax.MultiSteps, k=4; optax.apply_if_finite), the training "
+        f"step, {args.layout}:\n"
+    )
     print("| variant | at rest | temporaries | peak |")
     print("|---|---|---|---|")
-    for name, make_tx in ACCUMULATING.items():
+    for name, make_tx in CONDITIONAL.items():
         row = training_step_memory(F32, make_tx, n_params, n_leaves)
         footprint[name] = {"training step": row}
         print(

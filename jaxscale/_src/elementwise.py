@@ -11,6 +11,8 @@ parameter instead of a widened copy of the whole state.
 
 * an equation whose outputs are all scalars is evaluated once, on the whole arrays
   (a norm, a count, a bias correction);
+* a ``cond`` on a scalar becomes every branch's equations and a ``select_n`` of
+  their results (an optimizer that applies its update every few steps);
 * every other equation must be elementwise: one of :data:`ELEMENTWISE` on arrays of
   one shape (and scalars), or a broadcast of a scalar to that shape;
 * the arrays fall into components, the sets joined by equations: one parameter's
@@ -70,6 +72,11 @@ class ElementwiseProgram:
       equations: its equations, calls inlined.
       constants: each constant variable's value.
       component: each array variable's component.
+      branches: whether the program chooses between branches (a ``cond``, read as
+        every branch computed and a ``select_n`` of their results): an output may
+        then be an input as it was, which the program does not show.
+      whole: the arrays computed once, on whole arrays, as the scalars are: those made
+        from scalars alone for other such arrays (a vector of each leaf's finiteness).
     """
 
     invars: list[Any]
@@ -77,13 +84,16 @@ class ElementwiseProgram:
     equations: list[Any]
     constants: dict[Any, Any]
     component: dict[Any, int]
+    branches: bool = False
+    whole: frozenset[Any] = frozenset()
 
     @classmethod
     def read(cls, fn: Callable[..., Any], *args: Any) -> ElementwiseProgram | None:
         """``fn`` (a function of ``args``, arrays or ``jax.ShapeDtypeStruct``, that returns
         a list of arrays) traced and read; ``None`` when it is not elementwise."""
         closed = jax.make_jaxpr(fn)(*args)
-        invars, outvars, equations, constants = flattened_program(closed)
+        invars, outvars, equations, constants = flattened_program(closed, conds_as_selects=True)
+        branches = any(eqn.primitive.name == "cond" for eqn in flattened_program(closed)[2])
         parent: dict[Any, Any] = {}
 
         def root(var: Any) -> Any:
@@ -92,11 +102,16 @@ class ElementwiseProgram:
                 var = parent[var]
             return var
 
+        whole = _computed_whole(invars, equations)
         for eqn in equations:
             outs = [v for v in eqn.outvars if is_variable(v)]
-            if all(_is_scalar(v) for v in outs):
+            if all(_is_scalar(v) or v in whole for v in outs):
                 continue
-            arrays = [v for v in [*eqn.invars, *outs] if is_variable(v) and not _is_scalar(v)]
+            arrays = [
+                v
+                for v in [*eqn.invars, *outs]
+                if is_variable(v) and not _is_scalar(v) and v not in whole
+            ]
             if not _elementwise(eqn, arrays):
                 return None
             first = root(arrays[0])
@@ -107,7 +122,7 @@ class ElementwiseProgram:
                 root(var)
         roots: dict[Any, int] = {}
         component = {var: roots.setdefault(root(var), len(roots)) for var in list(parent)}
-        return cls(invars, outvars, equations, constants, component)
+        return cls(invars, outvars, equations, constants, component, branches, whole)
 
     def component_of(self, atom: Any) -> int | None:
         """The component of an array variable; ``None`` for a scalar or a literal."""
@@ -150,7 +165,7 @@ class ElementwiseProgram:
             for atom in eqn.invars:
                 if is_literal(atom):
                     invals.append(literal_value(atom))
-                elif _is_scalar(atom):
+                elif _is_scalar(atom) or atom in self.whole:
                     invals.append(values[atom])
                 else:
                     invals.append(env[atom])
@@ -163,6 +178,27 @@ class ElementwiseProgram:
     def array_inputs(self, component: int) -> list[Any]:
         """The array inputs and array constants ``component`` reads."""
         return [v for v in [*self.invars, *self.constants] if self.component.get(v) == component]
+
+
+def _computed_whole(invars: list[Any], equations: list[Any]) -> frozenset[Any]:
+    """The arrays no input array reaches except through a scalar, and that no equation
+    reading an input array reads: computed once, as scalars are (the per-leaf
+    finiteness flags ``optax.apply_if_finite`` stacks into a vector, say). An array made
+    from scalars for a component (``jnp.zeros_like`` of a gradient) is the component's."""
+    local = {v for v in invars if not _is_scalar(v)}
+    for eqn in equations:
+        if any(is_variable(v) and v in local for v in eqn.invars):
+            local.update(v for v in eqn.outvars if is_variable(v) and not _is_scalar(v))
+    read_locally: set[Any] = set()
+    for eqn in equations:
+        if any(is_variable(v) and v in local for v in eqn.outvars):
+            read_locally.update(v for v in eqn.invars if is_variable(v))
+    whole: set[Any] = set()
+    for eqn in equations:
+        outs = [v for v in eqn.outvars if is_variable(v) and not _is_scalar(v)]
+        if outs and not any(v in local or v in read_locally for v in outs):
+            whole.update(outs)
+    return frozenset(whole)
 
 
 def _elementwise(eqn: Any, arrays: list[Any]) -> bool:

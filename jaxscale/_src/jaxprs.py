@@ -387,13 +387,19 @@ def _call_params(n_in: int, n_out: int, mesh: Any) -> dict[str, Any]:
 # --- A program flattened to primitives, to evaluate on values of other shapes ---------
 
 
-def flattened_program(closed: Any) -> tuple[list[Any], list[Any], list[Any], dict[Any, Any]]:
+def flattened_program(
+    closed: Any, *, conds_as_selects: bool = False
+) -> tuple[list[Any], list[Any], list[Any], dict[Any, Any]]:
     """``(invars, outvars, equations, constants)``: ``closed`` with every call inlined.
 
     The programs of ``jit`` and ``closed_call`` equations, and the primal programs of
     ``custom_jvp_call`` and ``custom_vjp_call`` (what they compute, which is all an
     evaluation needs), are spliced in, their variables renamed; ``constants`` maps each
     constant variable (``closed``'s own and those of the programs inlined) to its value.
+    With ``conds_as_selects``, a ``cond`` on a scalar index without effects becomes
+    its branches' equations, every branch computed, and a ``select_n`` of their
+    results by the index (the same values: a branch is a pure function of its
+    operands).
     """
     constants: dict[Any, Any] = {}
     substitution: dict[Any, Any] = {}
@@ -404,7 +410,7 @@ def flattened_program(closed: Any) -> tuple[list[Any], list[Any], list[Any], dic
     for var in closed.jaxpr.invars:
         substitution[var] = fresh_variable(var.aval)
         invars.append(substitution[var])
-    equations = _flattened_equations(closed.jaxpr, substitution, constants)
+    equations = _flattened_equations(closed.jaxpr, substitution, constants, conds_as_selects)
     outvars = [substituted(var, substitution) for var in closed.jaxpr.outvars]
     return invars, outvars, equations, constants
 
@@ -420,11 +426,26 @@ def _inlined_program(eqn: Any) -> Any:
 
 
 def _flattened_equations(
-    jaxpr: Any, substitution: dict[Any, Any], constants: dict[Any, Any]
+    jaxpr: Any, substitution: dict[Any, Any], constants: dict[Any, Any], selects: bool = False
 ) -> list[Any]:
     equations = []
     for eqn in jaxpr.eqns:
         invars = [substituted(var, substitution) for var in eqn.invars]
+        if selects and _is_pure_scalar_cond(eqn):
+            branch_outputs = []
+            for branch in eqn.params["branches"]:
+                renamed = dict(zip(branch.jaxpr.invars, invars[1:], strict=True))
+                for var, value in zip(branch.jaxpr.constvars, branch.consts, strict=True):
+                    renamed[var] = fresh_variable(var.aval)
+                    constants[renamed[var]] = value
+                equations += _flattened_equations(branch.jaxpr, renamed, constants, selects)
+                branch_outputs.append([substituted(var, renamed) for var in branch.jaxpr.outvars])
+            for position, outer in enumerate(eqn.outvars):
+                if is_variable(outer):
+                    substitution[outer] = fresh_variable(outer.aval)
+                    cases = [outputs[position] for outputs in branch_outputs]
+                    equations.append(select_equation(invars[0], cases, substitution[outer], eqn))
+            continue
         program = _inlined_program(eqn)
         if program is not None:
             inner, consts = (
@@ -436,7 +457,7 @@ def _flattened_equations(
             for var, value in zip(inner.constvars, consts, strict=True):
                 inner_substitution[var] = fresh_variable(var.aval)
                 constants[inner_substitution[var]] = value
-            equations += _flattened_equations(inner, inner_substitution, constants)
+            equations += _flattened_equations(inner, inner_substitution, constants, selects)
             for outer, returned in zip(eqn.outvars, inner.outvars, strict=True):
                 if is_variable(outer):
                     substitution[outer] = substituted(returned, inner_substitution)
@@ -449,6 +470,15 @@ def _flattened_equations(
             outvars.append(var)
         equations.append(eqn.replace(invars=invars, outvars=outvars))
     return equations
+
+
+def _is_pure_scalar_cond(eqn: Any) -> bool:
+    return (
+        eqn.primitive.name == "cond"
+        and not eqn.effects
+        and not np.shape(eqn.invars[0].aval)
+        and all(not branch.jaxpr.effects for branch in eqn.params["branches"])
+    )
 
 
 def parameters_for_shape(eqn: Any, shape: tuple[int, ...]) -> dict[str, Any]:

@@ -23,6 +23,10 @@ temporaries stay a small constant:
   trip count is fixed when the program is traced, so it reads nothing back from the
   device (XLA's GPU runtime runs a loop of known trip count without reading its
   predicate).
+* A conditional on a scalar (``optax.MultiSteps``, ``optax.apply_if_finite``) is read
+  as both branches computed and the one taken selected; a row of a slice the step
+  leaves as it was keeps its stored codes and scales, which quantizing its values
+  again need not give back.
 * A program that is not elementwise (a matrix preconditioner, a factored moment) is
   computed on whole arrays, as before.
 
@@ -506,6 +510,17 @@ def _loop(
         state_slices, state_results = slices[: len(carried)], results[: len(carried)]
         for (slot, _), old, result in zip(carried, state_slices, state_results, strict=True):
             new = list(slot.write_rows(result))
+            if program.branches and slot.kind == "blocks":
+                # a row the update left as it was (a branch that keeps the state: the
+                # steps between optax.MultiSteps' applied ones) keeps its stored codes
+                # and scales: quantized again, a block need not give them back
+                before = slot.read_rows(old)
+                same = (result == before) | (jnp.isnan(result) & jnp.isnan(before))
+                unchanged = jnp.all(same, axis=1, keepdims=True)
+                new = [
+                    jnp.where(unchanged, o, n.astype(o.dtype))
+                    for o, n in zip(old, new, strict=True)
+                ]
             if skip is not None:  # a skipped step writes back what it read
                 new = [jnp.where(skip, o, n.astype(o.dtype)) for o, n in zip(old, new, strict=True)]
             written.append(new)
