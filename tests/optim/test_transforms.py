@@ -748,7 +748,9 @@ def test_accumulated_gradients_and_schedule_free_iterates_are_not_narrowed(dtype
         stat = statistics["w"]
         assert (stat.dtype == BF16) if narrow is BF16 else isinstance(stat, narrow), name
 
-    # outside or inside MultiSteps, the same steps: accumulated in float32 either way
+    # outside or inside MultiSteps, the same steps: accumulated in float32 either way (to
+    # float32's last bit: XLA fuses the update into other operations in the two programs,
+    # which with JAX 0.10.0 rounds 22 of 8192 parameters differently)
     def run(tx):
         state, p = tx.init(params), params
         for index in range(4):
@@ -761,7 +763,9 @@ def test_accumulated_gradients_and_schedule_free_iterates_are_not_narrowed(dtype
     outside = jaxscale.low_precision_state(
         third_party.optimizer(optax.MultiSteps(adamw(), 2)), dtype
     )
-    np.testing.assert_array_equal(run(third_party.optimizer(inside))["w"], run(outside)["w"])
+    np.testing.assert_allclose(
+        run(third_party.optimizer(inside))["w"], run(outside)["w"], rtol=2e-7, atol=1e-7
+    )
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn", "int4"])
