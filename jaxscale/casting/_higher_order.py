@@ -352,17 +352,12 @@ def _custom_jvp(autocaster: Autocaster, eqn: Any, invals: list[Any],
     call, wants_symbolic_zeros = call_jaxpr, symbolic_zeros
     traced = list(call.in_avals)  # abstract values: shapes, dtypes, varying mesh axes
 
+    @_in_custom_rule(autocaster)
     def primal(*args: Any) -> list[Any]:
-        with _in_custom_rule(autocaster):
-            return autocaster.eval_in_place_of(call.jaxpr, call.consts, args, invals, in_tags)
+        return autocaster.eval_in_place_of(call.jaxpr, call.consts, args, invals, in_tags)
 
+    @_in_custom_rule(autocaster)
     def jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-        with _in_custom_rule(autocaster):
-            return evaluated_jvp(primals, tangents)
-
-    def evaluated_jvp(
-        primals: Sequence[Any], tangents: Sequence[Any]
-    ) -> tuple[list[Any], list[Any]]:
         out_shapes = jax.eval_shape(primal, *primals)
         if not wants_symbolic_zeros:
             tangents = [_instantiate(t) for t in tangents]
@@ -450,15 +445,12 @@ def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any],
     traced = list(call.in_avals)  # abstract values: shapes, dtypes, varying mesh axes
     cotangent_avals = [_tangent_aval(a) for a in call.out_avals]
 
+    @_in_custom_rule(autocaster)
     def primal(*args: Any) -> list[Any]:
-        with _in_custom_rule(autocaster):
-            return autocaster.eval_in_place_of(call.jaxpr, call.consts, args, invals, in_tags)
+        return autocaster.eval_in_place_of(call.jaxpr, call.consts, args, invals, in_tags)
 
+    @_in_custom_rule(autocaster)
     def forward(*inputs: Any) -> tuple[list[Any], tuple[list[Any], _BackwardFacts]]:
-        with _in_custom_rule(autocaster):
-            return evaluated_forward(*inputs)
-
-    def evaluated_forward(*inputs: Any) -> tuple[list[Any], tuple[list[Any], _BackwardFacts]]:
         values = [i.value for i in inputs]
         perturbed = [bool(i.perturbed) for i in inputs]
         (_, fwd, _), bind_params = bind_protocol(eqn)
@@ -492,13 +484,8 @@ def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any],
         )
         return cast_floating(outs[computed:], out_dtypes), (residuals, facts)
 
+    @_in_custom_rule(autocaster)
     def backward(saved: tuple[list[Any], _BackwardFacts], cotangents: Any) -> tuple[Any, ...]:
-        with _in_custom_rule(autocaster):
-            return evaluated_backward(saved, cotangents)
-
-    def evaluated_backward(
-        saved: tuple[list[Any], _BackwardFacts], cotangents: Any
-    ) -> tuple[Any, ...]:
         residuals, facts = saved
         if not wants_symbolic_zeros:
             cotangents = [_instantiate(c) for c in cotangents]
@@ -531,6 +518,8 @@ def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any],
 
 @contextlib.contextmanager
 def _in_custom_rule(autocaster: Autocaster) -> Iterator[None]:
+    """While a custom derivative's function runs (as a decorator, on every call):
+    ``autocaster.custom_rule_depth`` counts it."""
     autocaster.custom_rule_depth += 1
     try:
         yield

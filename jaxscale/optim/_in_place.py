@@ -267,16 +267,21 @@ def _narrowed_unless_unchanged(slot: Slot, new: Any, old: Any, stored: Any) -> A
     if slot.kind != "blocks":
         return narrowed  # a cast back and forth is exact
     layout, _ = slot.blocks
-    same = (new == old) | (jnp.isnan(new) & jnp.isnan(old))
-    # decided row by row: a row's blocks lie on one device under a sharding of the leading
-    # axes, so the decision needs no collective
-    unchanged = jnp.all(same.reshape(layout.rows, -1), axis=1, keepdims=True)
+    unchanged = unchanged_rows(new.reshape(layout.rows, -1), old.reshape(layout.rows, -1))
 
     def chosen(kept: Any, made: Any) -> Any:
         rows = jnp.where(unchanged, kept.reshape(layout.rows, -1), made.reshape(layout.rows, -1))
         return rows.reshape(kept.shape)
 
     return jax.tree.map(chosen, stored, narrowed)
+
+
+def unchanged_rows(new: Any, old: Any) -> Any:
+    """Whether each row of ``new`` holds ``old``'s values (NaN where NaN), as a column.
+    Decided row by row: a row's blocks lie on one device under a sharding of the leading
+    axes, so the decision needs no collective."""
+    same = (new == old) | (jnp.isnan(new) & jnp.isnan(old))
+    return jnp.all(same, axis=1, keepdims=True)
 
 
 def _components(
@@ -514,9 +519,7 @@ def _loop(
                 # a row the update left as it was (a branch that keeps the state: the
                 # steps between optax.MultiSteps' applied ones) keeps its stored codes
                 # and scales: quantized again, a block need not give them back
-                before = slot.read_rows(old)
-                same = (result == before) | (jnp.isnan(result) & jnp.isnan(before))
-                unchanged = jnp.all(same, axis=1, keepdims=True)
+                unchanged = unchanged_rows(result, slot.read_rows(old))
                 new = [
                     jnp.where(unchanged, o, n.astype(o.dtype))
                     for o, n in zip(old, new, strict=True)
