@@ -14,7 +14,9 @@ parameter instead of a widened copy of the whole state.
 * a ``cond`` on a scalar becomes every branch's equations and a ``select_n`` of
   their results (an optimizer that applies its update every few steps);
 * every other equation must be elementwise: one of :data:`ELEMENTWISE` on arrays of
-  one shape (and scalars), or a broadcast of a scalar to that shape;
+  one shape (and scalars), a broadcast of a scalar to that shape, or an ``iota`` of
+  it (each element's index along an axis, as random bits drawn elementwise hash it),
+  which a slice computes from its elements' positions in the whole array;
 * the arrays fall into components, the sets joined by equations: one parameter's
   gradient, moments and step, say. A component is evaluated on slices with
   :meth:`ElementwiseProgram.evaluate_slice`, given the scalars of the whole
@@ -36,6 +38,7 @@ import numpy as np
 from jaxscale._src.jaxprs import (
     bind_equation,
     flattened_program,
+    iota_parameters,
     is_literal,
     is_variable,
     literal_value,
@@ -146,11 +149,15 @@ class ElementwiseProgram:
         arrays: dict[Any, Any],
         values: dict[Any, Any],
         shape: tuple[int, ...],
+        positions: Callable[[], Any] | None = None,
     ) -> list[Any]:
         """The variables ``wanted`` of ``component``, computed on slices of shape ``shape``.
 
         ``arrays`` gives the slice of each array input the component reads (program
-        inputs and array constants); ``values`` the scalars, from :meth:`evaluate`.
+        inputs and array constants); ``values`` the scalars, from :meth:`evaluate`;
+        ``positions`` makes each element's row-major index in the whole array (uint32,
+        of ``shape``), from which an ``iota`` is computed (a slice taken from anywhere
+        but the start of the arrays needs it).
         """
         needed = set(wanted)
         selected = []
@@ -169,7 +176,11 @@ class ElementwiseProgram:
                     invals.append(values[atom])
                 else:
                     invals.append(env[atom])
-            results = bind_equation(eqn, invals, parameters_for_shape(eqn, shape))
+            iota = iota_parameters(eqn)
+            if iota is not None:
+                results = [_iota_at(iota, positions, shape)]
+            else:
+                results = bind_equation(eqn, invals, parameters_for_shape(eqn, shape))
             for var, value in zip(eqn.outvars, results, strict=True):
                 if is_variable(var):
                     env[var] = value
@@ -181,22 +192,23 @@ class ElementwiseProgram:
 
 
 def _computed_whole(invars: list[Any], equations: list[Any]) -> frozenset[Any]:
-    """The arrays no input array reaches except through a scalar, and that no equation
-    reading an input array reads: computed once, as scalars are (the per-leaf
-    finiteness flags ``optax.apply_if_finite`` stacks into a vector, say). An array made
-    from scalars for a component (``jnp.zeros_like`` of a gradient) is the component's."""
+    """The arrays no input array reaches except through a scalar, and from which no
+    such array is computed but through a scalar: computed once, as scalars are (the
+    per-leaf finiteness flags ``optax.apply_if_finite`` stacks into a vector and
+    reduces, say). An array made from scalars for a component (``jnp.zeros_like`` of a
+    gradient, random bits hashed from an ``iota``) is the component's."""
     local = {v for v in invars if not _is_scalar(v)}
     for eqn in equations:
         if any(is_variable(v) and v in local for v in eqn.invars):
             local.update(v for v in eqn.outvars if is_variable(v) and not _is_scalar(v))
-    read_locally: set[Any] = set()
-    for eqn in equations:
-        if any(is_variable(v) and v in local for v in eqn.outvars):
-            read_locally.update(v for v in eqn.invars if is_variable(v))
+    feeding = set(local)  # and the arrays they are computed from
+    for eqn in reversed(equations):
+        if any(is_variable(v) and v in feeding for v in eqn.outvars):
+            feeding.update(v for v in eqn.invars if is_variable(v) and not _is_scalar(v))
     whole: set[Any] = set()
     for eqn in equations:
         outs = [v for v in eqn.outvars if is_variable(v) and not _is_scalar(v)]
-        if outs and not any(v in local or v in read_locally for v in outs):
+        if outs and not any(v in feeding for v in outs):
             whole.update(outs)
     return frozenset(whole)
 
@@ -208,12 +220,29 @@ def _elementwise(eqn: Any, arrays: list[Any]) -> bool:
         return False
     if name == "broadcast_in_dim":
         return _is_scalar(eqn.invars[0])
+    if name == "iota":
+        return True
     if name not in ELEMENTWISE:
         return False
     if name == "bitcast_convert_type":
         sizes = {np.dtype(v.aval.dtype).itemsize for v in [*eqn.invars, *eqn.outvars]}
         return len(sizes) == 1
     return True
+
+
+def _iota_at(
+    iota: tuple[int, tuple[int, ...], np.dtype],
+    positions: Callable[[], Any] | None,
+    shape: tuple[int, ...],
+) -> Any:
+    """An ``iota`` along ``dimension`` of the whole array's ``whole_shape``, at the slice's
+    elements: each element's index along that axis, from its row-major position."""
+    dimension, whole_shape, dtype = iota
+    if positions is None:
+        raise ValueError("a slice of an iota needs the positions of its elements")
+    stride = int(np.prod(whole_shape[dimension + 1 :], dtype=np.int64))
+    index = positions() // np.uint32(stride) % np.uint32(whole_shape[dimension])
+    return index.astype(dtype).reshape(shape)
 
 
 def _read(atom: Any, env: dict[Any, Any]) -> Any:

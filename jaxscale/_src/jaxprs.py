@@ -493,6 +493,16 @@ def parameters_for_shape(eqn: Any, shape: tuple[int, ...]) -> dict[str, Any]:
     return parameters_to_bind(eqn, **changes)
 
 
+def iota_parameters(eqn: Any) -> tuple[int, tuple[int, ...], np.dtype] | None:
+    """``(dimension, shape, dtype)`` of an ``iota`` equation (each element's index along
+    ``dimension`` of ``shape``); ``None`` for any other equation."""
+    if eqn.primitive.name != "iota":
+        return None
+    params = eqn.params
+    shape = tuple(int(d) for d in params["shape"])
+    return int(params["dimension"]), shape, np.dtype(params["dtype"])
+
+
 def filled_value(equations: Sequence[Any], var: Any) -> np.ndarray | None:
     """The one value every element of ``var`` holds when ``equations`` make it by
     broadcasting (and converting) a literal, as ``jnp.zeros`` and ``jnp.full`` do;

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale._src.cpu_backend import slices_bfloat16_in_place
 from jaxscale._src.deferred import elementwise_origin
 from jaxscale._src.elementwise import ElementwiseProgram
 from jaxscale._src.jaxprs import is_staged_argument
@@ -58,6 +59,7 @@ from jaxscale.optim._blockwise import (
     dequantize_rows,
     quantize_rows,
 )
+from jaxscale.optim._handed_down import claim
 
 # Elements of one leaf processed per loop iteration: small on a CPU, whose temporaries
 # are what a host's memory holds; large elsewhere, where a loop iteration is a kernel
@@ -195,12 +197,54 @@ def update_in_place(
     ``stored`` is the state as kept (a tree whose leaves are arrays or stored leaves),
     ``slots`` a tree of :class:`Slot` of the same structure. Returns ``(new_updates,
     new_stored)``, the new state stored as the old one is.
+
+    A parameter writer's step handed down (:mod:`jaxscale.optim._handed_down`) is
+    computed with the update, its own state carried beside this one; the updates
+    returned are then computed on whole arrays, for a writer that cannot use what the
+    step wrote (XLA drops them where it can).
     """
+    step = claim()
+    if step is None:
+        return _update_in_place(update, updates, stored, slots, rest)
+    finish = step.finish
+
+    def finished(updates: Any, wide: tuple[Any, Any], *rest: Any) -> tuple[Any, Any]:
+        wide_state, beside = wide
+        new_updates, new_state = update(updates, wide_state, *rest)
+        written, new_beside = finish(new_updates, beside)
+        return written, (new_state, new_beside)
+
+    beside_slots = jax.tree.map(lambda _: AS_IS, step.beside)
+    written, (new_stored, new_beside) = _update_in_place(
+        finished, updates, (stored, step.beside), (slots, beside_slots), rest
+    )
+    plain_updates, _ = update(updates, _widened_state(stored, slots), *rest)
+    step.updates = jax.tree.leaves(plain_updates)
+    step.written, step.new_beside = written, new_beside
+    return plain_updates, new_stored
+
+
+def _widened_state(stored: Any, slots: Any) -> Any:
+    """The stored state, every leaf widened as its slot says."""
+    _, state_tree, _, wide_list = _flat_state(stored, slots)
+    return jax.tree.unflatten(state_tree, wide_list)
+
+
+def _flat_state(stored: Any, slots: Any) -> tuple[list[Slot], Any, list[Any], list[Any]]:
+    """``(slots, tree, stored leaves, widened leaves)``: the state flattened to its slots'
+    tree (a stored leaf may be a tree of its own arrays)."""
     is_stored = lambda node: isinstance(node, Slot)  # noqa: E731
     slot_list, state_tree = jax.tree.flatten(slots, is_leaf=is_stored)
     state_tree = cast(Any, state_tree)  # flatten_up_to: a PyTreeDef method typeshed lacks
     stored_list = state_tree.flatten_up_to(stored)
     wide_list = [slot.widened(leaf) for slot, leaf in zip(slot_list, stored_list, strict=True)]
+    return slot_list, state_tree, stored_list, wide_list
+
+
+def _update_in_place(update: Any, *arguments: Any) -> tuple[Any, Any]:
+    """:func:`update_in_place`, without a step handed down."""
+    updates, stored, slots, rest = arguments
+    slot_list, state_tree, stored_list, wide_list = _flat_state(stored, slots)
     wide_state = jax.tree.unflatten(state_tree, wide_list)
     arguments = (updates, wide_state, *rest)
     flat, arguments_tree = jax.tree.flatten(arguments)
@@ -241,7 +285,7 @@ def update_in_place(
     for component, members in _components(program, slot_list, count, kept).items():
         results, previous = _run_component(
             program, component, members, slot_list, stored_list, flat, values,
-            state_inputs, count, previous,
+            state_inputs, count, previous, new_updates_list,
         )  # fmt: skip
         for index, value in results.items():
             if index < count:
@@ -308,12 +352,13 @@ def _run_component(
     state_inputs: range,
     count: int,
     previous: Any,
+    whole_updates: list[Any],
 ) -> tuple[dict[int, Any], Any]:
     """One component's new state computed in place, slice by slice: each stored leaf, by
     flat output index (the updates' count first), and the scalar its loop returned
     (``previous`` when none ran), for which the next component's loop waits. Its
-    updates are computed on whole arrays where they cannot be written into their
-    gradients' buffers."""
+    updates are computed on whole arrays (``whole_updates``, by flat output index) where
+    they cannot be written into their gradients' buffers."""
     outvars = program.outvars
     state_outputs = [
         i
@@ -338,6 +383,16 @@ def _run_component(
         var = program.invars[state_inputs[i]]
         if var in inputs:
             sources[var] = position
+    # an input that is a carried array itself (the masters a writer keeps, passed to
+    # its optimizer as the parameters too) is read from the carried slice, so that
+    # nothing else holds the old array while the loop writes over it
+    for v in inputs:
+        if v in sources or v in program.constants:
+            continue
+        value = flat[program.invars.index(v)]
+        for position, (slot, arrays) in enumerate(carried):
+            if slot.kind == "as is" and arrays[0] is value:
+                sources[v] = position
     others = [v for v in inputs if v not in sources]
     # An input a wrapping transform computed elementwise (a loss scaler's unscaled
     # gradient, a float32 cast) is sliced from its source and recomputed per slice, so
@@ -352,38 +407,62 @@ def _run_component(
     wanted = [outvars[count + i] for i in state_outputs]
     # A block format needs a loop: its scales are maxima over blocks, which XLA computes
     # from a widened copy of whatever it reduces. A state stored element by element
-    # (bfloat16) is read and written in one elementwise pass, which XLA fuses and
-    # writes in place.
+    # (bfloat16) is read and written in one elementwise pass, which XLA fuses and writes
+    # in place, but for the update computed from it, which reads the old state after the
+    # new one is written: XLA keeps a copy of the old state for it. A loop that writes
+    # each slice of the update into the buffer of its gradient (where the shapes and
+    # dtypes allow, as in a training step) reads nothing old after it, so it needs no
+    # copy; it runs where the platform slices bfloat16 in place (not XLA's CPU backend
+    # before jaxlib 0.11.2, whose loop over bfloat16 is far slower than the copy).
     blocks = any(slots[i].kind == "blocks" for i in narrowed)
-    # In the loop, each update the component computes is written, slice by slice, into
-    # the buffer of the gradient of its leaf where the shapes and dtypes allow: then
-    # nothing reads the old state after the loop, and XLA need not keep a copy of it
-    # for an update computed outside. (For a bfloat16 state the same would save the
-    # copy too, but its step in a loop measured slower on a CPU than the copy costs.)
-    carriers = (
-        _gradient_carriers(program, component, count, shape, others, other_values, other_functions)
-        if blocks
-        else {}
+    halves_in_place = {"cpu": slices_bfloat16_in_place(), "default": True}
+    carriers = _gradient_carriers(
+        program, component, count, shape, others, other_values, other_functions
     )
-    taken = {position for position, _ in carriers.values()}
-    others, other_values, other_functions = (
-        [x for position, x in enumerate(inputs) if position not in taken]
-        for inputs in (others, other_values, other_functions)
-    )
-    rows, row_length = layout.rows, layout.row_length
-    counts = {
-        platform: trip_count(rows, row_length, elements) if blocks else 1
+    # An update narrower than the old state it would keep alive, computed outside, is
+    # written by the loop into a buffer of its own instead (a bfloat16 parameter
+    # stochastic rounding writes, where the gradients were passed to the step: 2 bytes
+    # where the copy of two bfloat16 moments is 4)
+    kept_bytes = sum(np.dtype(a.dtype).itemsize for _, arrays in carried for a in arrays[:1])
+    for k in range(count):
+        var = outvars[k]
+        if k in carriers or not _in(program, k, component) or tuple(var.aval.shape) != shape:
+            continue
+        if np.dtype(var.aval.dtype).itemsize < kept_bytes:
+            carriers[k] = (None, (None, jnp.zeros(shape, var.aval.dtype), None))
+    if not blocks and len(carriers) < sum(1 for k in range(count) if _in(program, k, component)):
+        carriers = {}  # an update computed outside keeps the old state alive anyway
+    plans = {
+        platform: _Plan(
+            iterations=trip_count(layout.rows, layout.row_length, elements)
+            if blocks or (carriers and halves_in_place[platform])
+            else 1,
+            carried_updates=blocks or bool(carriers and halves_in_place[platform]),
+            halves_as_bits=not halves_in_place[platform],
+        )
         for platform, elements in slice_sizes().items()
     }
     update_indices = list(carriers)
-    carrier_inputs = [carriers[k][1] for k in update_indices]
 
-    def run(iterations: int) -> tuple[list[list[Any]], list[Any], Any]:
+    def run(plan: _Plan) -> tuple[list[list[Any]], list[Any], Any]:
+        taken = (
+            {position for position, _ in carriers.values() if position is not None}
+            if plan.carried_updates
+            else set()
+        )
+        kept_others, kept_values, kept_functions = (
+            [x for position, x in enumerate(inputs) if position not in taken]
+            for inputs in (others, other_values, other_functions)
+        )
+        carried_indices = update_indices if plan.carried_updates else []
         state_arrays, update_arrays, done = _loop(
-            program, component, wanted, carried, sources, others, other_values,
-            other_functions, values, rows, row_length, iterations,
-            [outvars[k] for k in update_indices], carrier_inputs, previous,
+            program, component, wanted, carried, sources, kept_others, kept_values,
+            kept_functions, values, layout.rows, layout.row_length, plan.iterations,
+            [outvars[k] for k in carried_indices], [carriers[k][1] for k in carried_indices],
+            previous, plan.halves_as_bits,
         )  # fmt: skip
+        if not plan.carried_updates:  # computed on whole arrays
+            update_arrays = [whole_updates[k] for k in update_indices]
         return (
             [
                 [a.reshape(np.shape(like)) for a, like in zip(new, old, strict=True)]
@@ -393,11 +472,11 @@ def _run_component(
             done,
         )
 
-    if len(set(counts.values())) == 1:
-        carry, updates, done = run(counts["cpu"])
-    else:  # the trip count the compiling platform wants, chosen when XLA lowers the step
+    if len(set(plans.values())) == 1:
+        carry, updates, done = run(plans["cpu"])
+    else:  # the plan the compiling platform wants, chosen when XLA lowers the step
         carry, updates, done = lax.platform_dependent(
-            **{platform: functools.partial(run, count) for platform, count in counts.items()}
+            **{platform: functools.partial(run, plan) for platform, plan in plans.items()}
         )
     results = {
         count + i: slots[i].stored(carry[position], stored[i])
@@ -411,6 +490,28 @@ def _run_component(
     return results, done
 
 
+# where an update is written: (the position of its gradient among the component's
+# other inputs, or None for a buffer of its own; (the gradient's variable or None, the
+# array written into, the function that makes the gradient of its slice))
+_Carrier = tuple[int | None, tuple[Any, Any, Callable[[Any], Any] | None]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """How a component runs on one platform: in ``iterations`` slices, its updates
+    written into their gradients' buffers or computed on whole arrays, and its 16-bit
+    floating arrays sliced as unsigned integers or as they are."""
+
+    iterations: int
+    carried_updates: bool
+    halves_as_bits: bool
+
+
+def _in(program: ElementwiseProgram, k: int, component: int) -> bool:
+    """Whether update ``k`` of ``program`` is computed by ``component``."""
+    return program.component_of(program.outvars[k]) == component
+
+
 def _gradient_carriers(
     program: ElementwiseProgram,
     component: int,
@@ -419,7 +520,7 @@ def _gradient_carriers(
     others: list[Any],
     other_values: list[Any],
     other_functions: list[Callable[[Any], Any] | None],
-) -> dict[int, tuple[int, tuple[Any, Any, Callable[[Any], Any] | None]]]:
+) -> dict[int, _Carrier]:
     """For each update of ``component`` (by flat output index) written into its
     gradient's buffer: the gradient's position in ``others`` and ``(variable, source,
     function)``.
@@ -427,7 +528,7 @@ def _gradient_carriers(
     the same leaf) is read by the component, and it, or the array it is computed from
     elementwise, has the update's shape and dtype and is computed in the step (as a
     training step computes its gradients) rather than passed to it."""
-    found = {}
+    found: dict[int, _Carrier] = {}
     for k in range(count):
         var = program.outvars[k]
         if program.component_of(var) != component or tuple(var.aval.shape) != shape:
@@ -463,6 +564,7 @@ def _loop(
     updates: list[Any],
     carrier_inputs: list[tuple[Any, Any, Callable[[Any], Any] | None]],
     previous: Any,
+    halves_as_bits: bool = True,
 ) -> tuple[list[list[Any]], list[Any], Any]:
     """The carried arrays after ``iterations`` iterations, each over every
     ``iterations``-th row: the component evaluated on the slice, the new state written
@@ -476,8 +578,12 @@ def _loop(
     XLA updates each one in place (where an iteration reading one carried array to
     write another made XLA's CPU backend copy every carried array per iteration). Its
     first slices wait for ``previous``, a scalar the previous loop returned; it returns
-    its own (its count of iterations) as the third result, else ``previous``."""
+    its own (its count of iterations) as the third result, else ``previous``.
+
+    ``halves_as_bits`` slices the 16-bit floating arrays it reads or writes as unsigned
+    integers of their width (on a platform that widens them whole to slice them)."""
     group = rows // iterations
+    as_bits = functools.partial(_as_bits, halves=halves_as_bits)
 
     def as_rows(array: Any) -> Any:  # (group, iterations, per row) views: strided slices
         return array.reshape(group, iterations, -1)
@@ -487,9 +593,9 @@ def _loop(
         return lax.dynamic_slice(array, start, (array.shape[0], 1, array.shape[2]))[:, 0]
 
     arrays = [[as_rows(a) for a in stored] for _, stored in carried]
-    arrays += [[as_rows(_as_bits(source))] for _, source, _ in carrier_inputs]
+    arrays += [[as_rows(as_bits(source))] for _, source, _ in carrier_inputs]
     other_dtypes = [jnp.result_type(v) for v in other_values]
-    other_rows = [as_rows(_as_bits(v)) for v in other_values]
+    other_rows = [as_rows(as_bits(v)) for v in other_values]
     carrier_dtypes = [jnp.result_type(source) for _, source, _ in carrier_inputs]
     wanted_all = [*wanted, *updates]
 
@@ -508,9 +614,20 @@ def _loop(
         for (var, _, function), dtype, pieces in zip(
             carrier_inputs, carrier_dtypes, slices[len(carried) :], strict=True
         ):
+            if var is None:  # a buffer of the update's own, read by nothing
+                continue
             value = _from_bits(pieces[0], dtype)
             inputs[var] = value if function is None else function(value)
-        results = program.evaluate_slice(component, wanted_all, inputs, values, (group, row_length))
+
+        def positions() -> Any:  # each element's row-major index in its leaf
+            rows_of_slice = lax.broadcasted_iota(jnp.uint32, (group, row_length), 0)
+            columns = lax.broadcasted_iota(jnp.uint32, (group, row_length), 1)
+            row = rows_of_slice * np.uint32(iterations) + jnp.asarray(step).astype(jnp.uint32)
+            return row * np.uint32(row_length) + columns
+
+        results = program.evaluate_slice(
+            component, wanted_all, inputs, values, (group, row_length), positions
+        )
         written = []
         state_slices, state_results = slices[: len(carried)], results[: len(carried)]
         for (slot, _), old, result in zip(carried, state_slices, state_results, strict=True):
@@ -529,7 +646,7 @@ def _loop(
             written.append(new)
         for update, dtype in zip(results[len(carried) :], carrier_dtypes, strict=True):
             # (a skipped step's updates are replaced after the loop, as any update is)
-            written.append([_as_bits(update.astype(dtype))])
+            written.append([as_bits(update.astype(dtype))])
         return written
 
     def write(arrays: list[list[Any]], written: list[list[Any]], step: Any) -> list[list[Any]]:
@@ -594,13 +711,16 @@ def _loop(
     return arrays[: len(carried)], update_arrays, done
 
 
-def _as_bits(array: Any) -> Any:
-    """A half-precision or float8 array as unsigned integers of its width: XLA's CPU
-    backend slices such an array inside a loop by converting all of it to float32 first
-    (written whole, outside the loop), and slices integers as they are."""
+def _as_bits(array: Any, halves: bool = True) -> Any:
+    """A float8 array (and a half-precision one where ``halves``) as unsigned integers of
+    its width: XLA's CPU backend slices such an array inside a loop by converting all of
+    it to float32 first (written whole, outside the loop), and slices integers as they
+    are. (A view of an argument is a copy of it, but half the float32 one.)"""
     dtype = jnp.result_type(array)
     if not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).bits not in (8, 16):
         return array  # (a 4-bit type has no integer of its width)
+    if dtype.itemsize == 2 and not halves:
+        return array
     return lax.bitcast_convert_type(array, jnp.uint16 if dtype.itemsize == 2 else jnp.uint8)
 
 

@@ -111,29 +111,50 @@ def kahan_summation(
         **extra_args: Any,
     ) -> tuple[optax.Updates, KahanSummationState]:
         require_params(params, "kahan_summation")
-        inner_updates, inner_state = widened_state.update(
-            updates, state.inner_state, params, **extra_args
+
+        def summed(inner_updates: Any, wide_params: Any, compensation: Any) -> tuple[Any, Any]:
+            # computed with the inner update (slice by slice where its state is), so that
+            # the float32 sums are not written out whole
+            steps = map_with_optional(_kahan_step, compensation, inner_updates, wide_params, params)
+            is_step = lambda node: isinstance(node, _Step)  # noqa: E731
+            written = jax.tree.map(lambda step: step.written, steps, is_leaf=is_step)
+            compensation = jax.tree.map(lambda step: step.compensation, steps, is_leaf=is_step)
+            return written, compensation
+
+        written, (inner_state, compensation) = widened_state.update(
+            updates,
+            state.inner_state,
+            params,
+            finish=summed,
+            beside=state.compensation,
+            **extra_args,
         )
-        steps = map_with_optional(_kahan_step, state.compensation, inner_updates, params)
-        is_step = lambda node: isinstance(node, _Step)  # noqa: E731
-        new_updates = jax.tree.map(lambda step: step.update, steps, is_leaf=is_step)
-        compensation = jax.tree.map(lambda step: step.compensation, steps, is_leaf=is_step)
+        new_updates = map_with_optional(_as_update, compensation, written, params)
         return new_updates, KahanSummationState(compensation, inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 class _Step(NamedTuple):
-    update: Any  # the float32 update to write
-    compensation: Any  # the new compensation, or None
+    written: Any  # the new half-precision parameter, or the float32 update of another
+    compensation: Any  # the new compensation in float32 (stored rounded), or None
 
 
-def _kahan_step(compensation: Any, update: Any, param: Any) -> _Step:
+def _kahan_step(compensation: Any, update: Any, wide: Any, param: Any) -> _Step:
+    """One parameter's Kahan step from its compensation (widened to float32, ``None``
+    for a parameter that keeps none), ``inner``'s update and the parameter in float32."""
     if compensation is None:
         return _Step(update, None)
     dtype = param.dtype
-    wide = param.astype(jnp.float32)
-    total = compensation.astype(jnp.float32) + update.astype(jnp.float32)
+    total = compensation + update.astype(jnp.float32)
     new_param = (wide + total.astype(dtype).astype(jnp.float32)).astype(dtype)
-    new_wide = new_param.astype(jnp.float32)
-    return _Step(new_wide - wide, ((total + wide) - new_wide).astype(dtype))
+    # (rounded to the compensation's dtype where it is stored, as optimi rounds it)
+    return _Step(new_param, (total + wide) - new_param.astype(jnp.float32))
+
+
+def _as_update(compensation: Any, written: Any, param: Any) -> Any:
+    """The float32 update that takes ``param`` to ``written``, its new value (exact in
+    float32), where ``param`` keeps a compensation; ``written``, an update, elsewhere."""
+    if compensation is None:
+        return written
+    return written.astype(jnp.float32) - param.astype(jnp.float32)

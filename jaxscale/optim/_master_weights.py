@@ -8,6 +8,7 @@ and accumulates until the rounded weight moves too.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import jax
@@ -16,6 +17,8 @@ import numpy as np
 import optax
 
 from jaxscale._src.deferred import derived_elementwise
+from jaxscale._src.jaxprs import is_staged_argument
+from jaxscale.optim._handed_down import FinishedStep, finishing
 from jaxscale.optim._wrapping import (
     PARAMETER_WRITERS,
     floating_dtype,
@@ -124,23 +127,46 @@ def master_weights(
         grads = map_with_optional(
             lambda m, g: g if m is None else widened(g), state.masters, updates
         )
-        with derived_elementwise(grads, updates, widened):
+
+        def step(inner_updates: Any, masters: Any) -> tuple[Any, Any]:
+            """The new masters, and each new parameter (``inner``'s update for a parameter
+            that has no master)."""
+            masters = map_with_optional(
+                lambda m, u: None if m is None else m + u.astype(master_dtype),
+                masters,
+                inner_updates,
+            )
+            written = map_with_optional(
+                lambda m, u, p: u if m is None else m.astype(p.dtype),
+                masters,
+                inner_updates,
+                params,
+            )
+            return written, masters
+
+        # Computed in the slice loop of an inner low_precision_state, where it has one
+        # and the gradients are the step's own (passed to it, they cannot be written
+        # into, and the update is computed on whole arrays after the loop anyway)
+        passed = all(is_staged_argument(leaf) for leaf in jax.tree.leaves(updates))
+        handed = FinishedStep(step, state.masters)
+        with (
+            derived_elementwise(grads, updates, widened),
+            finishing(handed) if not passed else contextlib.nullcontext(),
+        ):
             inner_updates, inner_state = inner.update(
                 grads, state.inner_state, _with_masters(state.masters, params), **extra_args
             )
-        masters = map_with_optional(
-            lambda m, u: None if m is None else m + u.astype(master_dtype),
-            state.masters,
-            inner_updates,
-        )
+        if handed.finished(inner_updates):
+            written, masters = handed.written, handed.new_beside
+        else:
+            written, masters = step(inner_updates, state.masters)
 
-        def to_parameter(master: Any, inner_update: Any, param: Any) -> Any:
+        def to_update(master: Any, written: Any, param: Any) -> Any:
             if master is None:
-                return inner_update
-            rounded = master.astype(param.dtype).astype(master_dtype)
-            return rounded - param.astype(master_dtype)
+                return written  # inner's update
+            return written.astype(master_dtype) - param.astype(master_dtype)
 
-        new_updates = map_with_optional(to_parameter, masters, inner_updates, params)
+        new_updates = map_with_optional(to_update, masters, written, params)
         return new_updates, MasterWeightsState(masters, inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -108,34 +108,44 @@ def stochastic_rounding(
         **extra_args: Any,
     ) -> tuple[optax.Updates, StochasticRoundingState]:
         require_params(params, "stochastic_rounding")
-        inner_updates, inner_state = widened_state.update(
-            updates, state.inner_state, params, **extra_args
-        )
         next_key, step_key = jax.random.split(state.key)
         # one key per leaf: the step's key folded with the leaf's index
         leaves, treedef = jax.tree.flatten(params)
-        indices = jax.tree.unflatten(treedef, range(len(leaves)))
-        written = jax.tree.map(
-            lambda param, update, index: _written(
-                param, update, jax.random.fold_in(step_key, index)
-            ),
-            params,
-            inner_updates,
-            indices,
+        keys = jax.tree.unflatten(
+            treedef, [jax.random.fold_in(step_key, index) for index in range(len(leaves))]
         )
+
+        def rounded(inner_updates: Any, wide_params: Any, nothing: None) -> tuple[Any, None]:
+            # computed with the inner update (slice by slice where its state is), so that
+            # the float32 sum is not written out whole
+            return jax.tree.map(_rounded, params, wide_params, inner_updates, keys), nothing
+
+        written, (inner_state, _) = widened_state.update(
+            updates, state.inner_state, params, finish=rounded, **extra_args
+        )
+        written = jax.tree.map(_as_update, params, written)
         return written, StochasticRoundingState(next_key, inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _written(param: Any, update: Any, key: jax.Array) -> Any:
-    """The float32 update that takes ``param`` to ``SR(float32(param) + update)``."""
+def _rounded(param: Any, wide: Any, update: Any, key: jax.Array) -> Any:
+    """``SR(float32(param) + update)`` in ``param``'s dtype, for a half-precision
+    ``param`` (``wide`` is it in float32); ``update`` for any other."""
     dtype = getattr(param, "dtype", None)
     if dtype is None or np.dtype(dtype) not in TARGETS:
         return update
-    wide = param.astype(jnp.float32)
-    rounded = stochastic_round(wide + update.astype(jnp.float32), dtype, key=key)
-    return rounded.astype(jnp.float32) - wide
+    return stochastic_round(wide + update.astype(jnp.float32), dtype, key=key)
+
+
+def _as_update(param: Any, written: Any) -> Any:
+    """The float32 update that takes ``param`` to ``written`` (a rounded half-precision
+    parameter: the difference of two neighbouring half-precision numbers is exact in
+    float32), or ``written`` itself, an update, for any other parameter."""
+    dtype = getattr(param, "dtype", None)
+    if dtype is None or np.dtype(dtype) not in TARGETS:
+        return written
+    return written.astype(jnp.float32) - param.astype(jnp.float32)
 
 
 def _check_key(key: Any) -> None:

@@ -10,6 +10,7 @@ argument.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
@@ -24,9 +25,10 @@ from jax.sharding import PartitionSpec as P
 from support import machine, third_party
 
 import jaxscale
+from jaxscale._src import cpu_backend
 from jaxscale._src.deferred import derived_elementwise, elementwise_origin
 from jaxscale._src.elementwise import ElementwiseProgram
-from jaxscale.optim import _blockwise, _in_place
+from jaxscale.optim import _blockwise, _in_place, _master_weights, _widened
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 FORMATS = ["int8", "float8_e4m3fn", "int4", "bfloat16"]
@@ -162,6 +164,35 @@ def test_a_component_evaluated_on_slices_is_the_whole_evaluation_sliced():
             np.testing.assert_array_equal(got, want)
 
 
+def test_random_bits_are_hashed_from_a_strided_slices_positions():
+    # bits drawn elementwise (an iota of the whole shape, hashed) are the component's
+    # arrays, not computed whole: a slice of every fourth row computes its own
+    key = jax.random.key(7)
+
+    def fn(x):
+        return [x + jaxscale.stochastic_round(x, key=key).astype(F32)]
+
+    x = jax.random.normal(jax.random.key(0), (8, 2, 16))
+    program = ElementwiseProgram.read(fn, x)
+    assert program is not None
+    assert all(v.aval.shape != x.shape for v in program.whole)  # (the key's words are)
+    (whole,), values = program.evaluate([x])
+    component = program.component_of(program.outvars[0])
+    rows = x.reshape(2, 4, 32)  # 8 rows of 32, read as (group, iterations, row)
+    expected = np.asarray(whole).reshape(2, 4, 32)
+    for step in range(4):
+
+        def positions(step=step):
+            row = np.arange(2, dtype=np.uint32)[:, None] * 4 + step
+            return jnp.asarray(row * 32 + np.arange(32, dtype=np.uint32))
+
+        (got,) = program.evaluate_slice(
+            component, program.outvars, {program.invars[0]: rows[:, step]}, values, (2, 32),
+            positions,
+        )  # fmt: skip
+        np.testing.assert_array_equal(got, expected[:, step])
+
+
 # -- slices and whole arrays agree --------------------------------------------------------------
 
 
@@ -191,6 +222,159 @@ def test_a_step_in_slices_stores_what_a_step_on_whole_arrays_stores(fmt, monkeyp
         np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
     for a, b in zip(jax.tree.leaves(whole_params), jax.tree.leaves(sliced_params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+WRITERS = {
+    "stochastic_rounding": (
+        BF16,
+        lambda: jaxscale.stochastic_rounding(adamw(), key=jax.random.key(0)),
+    ),
+    "kahan_summation": (BF16, lambda: jaxscale.kahan_summation(adamw())),
+    "stochastic_rounding, float32 state": (
+        BF16,
+        lambda: jaxscale.stochastic_rounding(
+            adamw(), key=jax.random.key(0), state_dtype=jnp.float32
+        ),
+    ),
+    "bfloat16 state": (F32, lambda: jaxscale.low_precision_state(adamw(), "bfloat16")),
+    "grad_scaler(kahan_summation)": (
+        BF16,
+        lambda: jaxscale.grad_scaler(jaxscale.kahan_summation(adamw()), init_scale=2.0**4),
+    ),
+}
+
+
+def loops_over_bfloat16(monkeypatch, loops):
+    """The platform's answer replaced: whether a step loops over a bfloat16 state."""
+    monkeypatch.setattr(_in_place, "slices_bfloat16_in_place", lambda: loops)
+    monkeypatch.setattr(_widened, "loops_over_bfloat16", lambda: loops)
+
+
+def sine_training_step(tx):
+    """A jitted training step ``(params, state, scale) -> (params, state)`` whose
+    gradients, ``sin(p * scale)``, are computed in it and written out in their dtype,
+    as a layer's are (else XLA may keep a bfloat16 sine in float32 where it fuses it
+    into a conversion: excess precision, in one program and not another)."""
+
+    @jax.jit
+    def step(params, state, scale):
+        grads = jax.tree.map(lambda p: jnp.sin(p * scale.astype(p.dtype)), params)
+        grads = jax.lax.optimization_barrier(grads)
+        updates, state = tx.update(grads, state, params)
+        with third_party.standard_promotion():
+            return optax.apply_updates(params, updates), state
+
+    return step
+
+
+@pytest.mark.parametrize("gradients", ["computed", "passed"])
+@pytest.mark.parametrize("name", list(WRITERS))
+def test_a_half_precision_step_in_slices_writes_what_it_writes_whole(name, gradients, monkeypatch):
+    # In a training step, the bfloat16 state and the parameters stochastic rounding and
+    # Kahan summation write are computed slice by slice (strided: every 4th to 96th row),
+    # each new half-precision parameter written into its gradient's buffer (with the
+    # gradients passed to the step, into a buffer of its own), the random bits hashed
+    # from each slice's positions: what a step on whole arrays writes.
+    dtype, make = WRITERS[name]
+    params = {
+        "w": (jax.random.normal(jax.random.key(0), (96, 256)) * 0.1).astype(dtype),
+        "v": jax.random.normal(jax.random.key(1), (8192,)).astype(dtype),
+        "s": jnp.float32(0.5),  # a float32 scalar beside them
+    }
+    looped = []  # each loop of several iterations that wrote updates into gradients
+    original = _in_place._loop
+
+    def counting(*args):
+        if args[11] > 1 and args[13]:  # (iterations, the updates written)
+            looped.append(len(args[13]))
+        return original(*args)
+
+    monkeypatch.setattr(_in_place, "_loop", counting)
+
+    def run():
+        tx = make()
+        step = sine_training_step(tx)
+        if gradients == "passed":
+            update = jax.jit(tx.update)
+
+            def step(params, state, scale):
+                grads = jax.tree.map(lambda p: jnp.sin(p * scale.astype(p.dtype)), params)
+                updates, state = update(grads, state, params)
+                with third_party.standard_promotion():
+                    return optax.apply_updates(params, updates), state
+
+        current, state = params, tx.init(params)
+        scaled = name.startswith("grad_scaler")  # (infinite gradients, which it skips)
+        for scale in [1.0, 2.0, float("inf"), 3.0] if scaled else [1.0, 2.0, 3.0]:
+            current, state = step(current, state, jnp.float32(scale))
+        assert all(bool(jnp.isfinite(p).all()) for p in jax.tree.leaves(current))
+        return current, state
+
+    loops_over_bfloat16(monkeypatch, False)
+    whole = run()
+    assert looped == []
+    loops_over_bfloat16(monkeypatch, True)
+    monkeypatch.setattr(_in_place, "CPU_SLICE", 1024)
+    sliced = run()
+    # both leaves' updates went through the loop (a float32 state needs none: the update
+    # reads the new moments, written whole where the old ones were; a float32 update of
+    # a bfloat16 state, passed, would take a buffer as large as the copy it saves)
+    if "float32 state" in name or (gradients == "passed" and name == "bfloat16 state"):
+        assert looped == []
+    else:
+        assert len(looped) >= 2
+    # The same arithmetic, but XLA contracts a multiplication and an addition into one
+    # rounding in some fusions and not others (the float32 moments of a whole-array step
+    # and of a slice's are computed in different ones), so a float32 value can be a last
+    # bit apart and, rounded to bfloat16, a few moments a bit apart, then a parameter up
+    # to two (Kahan), with the compensation holding the difference. (Measured: stochastic
+    # rounding and Kahan bit for bit on JAX 0.10.2; the bfloat16 state 75 bytes of
+    # 32768 apart, grad_scaler(kahan) 3 of 49152 on JAX 0.12.1.) Anything else (a slice's
+    # random bits drawn for another position, say) moves most of them.
+    paths = jax.tree_util.tree_flatten_with_path(whole)[0]
+    for (path, a), b in zip(paths, jax.tree.leaves(sliced), strict=True):
+        assert a.dtype == b.dtype
+        if not jnp.issubdtype(a.dtype, jnp.floating):  # counts, keys: bit for bit
+            np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
+            continue
+        where = jax.tree_util.keystr(path)
+        half = a.dtype.itemsize == 2
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if "compensation" in where:  # (compared below, with its parameter)
+            continue
+        if half:  # a bfloat16 ulp or two apart, rarely
+            np.testing.assert_allclose(a, b, rtol=2**-6, atol=0, err_msg=where)
+            assert np.mean(a != b) < 0.005, where
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=2e-9, err_msg=where)
+    # Kahan tracks a parameter plus its compensation: apart by what rounding the
+    # compensation (about 1e-3 here) to bfloat16 loses, far below the parameter's ulp
+    for a, b in zip(kahan_sums(whole), kahan_sums(sliced), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2**-15)
+
+
+def kahan_sums(result):
+    """Each half-precision parameter plus its Kahan compensation, in float32 (none
+    without Kahan summation)."""
+    params, state = result
+    paths = jax.tree_util.tree_flatten_with_path(state)[0]
+    compensations = [leaf for path, leaf in paths if "compensation" in jax.tree_util.keystr(path)]
+    halves = [p for p in jax.tree.leaves(params) if p.dtype.itemsize == 2]
+    if not compensations:
+        return []
+    return [
+        np.asarray(p, np.float32) + np.asarray(c, np.float32)
+        for p, c in zip(halves, compensations, strict=True)
+    ]
+
+
+def test_the_cpu_backend_is_asked_whether_it_slices_bfloat16_in_place():
+    # XLA's CPU backend slices bfloat16 in place from jaxlib 0.11.2 on (0.11.1 and
+    # 0.10.2 widen the whole array for each slice, measured)
+    import jaxlib
+
+    version = tuple(int(part) for part in re.findall(r"\d+", jaxlib.__version__)[:3])
+    assert cpu_backend.slices_bfloat16_in_place() == (version >= (0, 11, 2))
 
 
 # -- peak memory --------------------------------------------------------------------------------
@@ -254,14 +438,16 @@ def test_a_training_steps_state_costs_little_beyond_its_gradients():
     # The gradients a step computes are its own buffers: each update is written into its
     # gradient's, slice by slice, so nothing reads the old state after the loop and XLA
     # keeps no copy of it. Float32 Adam's step holds its gradients (4 bytes) and nothing
-    # else; the 8-bit and float8 states held 2 bytes more, the 4-bit state 1 (a bfloat16
-    # state, updated on whole arrays, still holds the copy: 4).
+    # else; the 8-bit and float8 states held 2 bytes more, the 4-bit state 1, the bfloat16
+    # state 4.
     params = layout(*TEN_M)
     arguments, temporaries = in_step_memory(adamw(), params)
     assert temporaries == pytest.approx(4.0, abs=0.01)
     baseline = arguments + temporaries
-    # (float8's 1.5: its codes' uint8 views, which XLA's CPU backend writes as copies)
-    beyond = {"int8": 0.2, "float8_e4m3fn": 1.6, "int4": 0.2, "bfloat16": 4.01}
+    # (float8's 1.5: its codes' uint8 views, which XLA's CPU backend writes as copies;
+    # the bfloat16 state's 4: the copy, where the CPU backend cannot loop over it)
+    looped = cpu_backend.slices_bfloat16_in_place()
+    beyond = {"int8": 0.2, "float8_e4m3fn": 1.6, "int4": 0.2, "bfloat16": 0.1 if looped else 4.01}
     for fmt, bound in beyond.items():
         tx = jaxscale.low_precision_state(adamw(), fmt)
         arguments, temporaries = in_step_memory(tx, params)
@@ -270,6 +456,35 @@ def test_a_training_steps_state_costs_little_beyond_its_gradients():
             assert arguments + temporaries < 0.75 * baseline, fmt
     tx = jaxscale.grad_scaler(jaxscale.low_precision_state(adamw(), "int8"))
     assert in_step_memory(tx, params)[1] - 4.0 < 0.2
+
+
+def test_a_training_step_writes_half_precision_parameters_in_place():
+    # Stochastic rounding and Kahan summation on bfloat16 parameters, beyond optax.adamw's
+    # own step on them (its gradients, and on the CPU a matmul's float32 operand): a
+    # whole-array step keeps a copy of the old bfloat16 moments (4 bytes/param) and, for
+    # Kahan, float32 sums; in slices, nothing of the parameters' size
+    params = layout(*TEN_M, dtype=BF16)
+    _, baseline = in_step_memory(adamw(), params)
+    looped = cpu_backend.loops_over_bfloat16()
+    bounds = {
+        "stochastic_rounding": 0.1 if looped else 4.1,
+        "kahan_summation": 0.1 if looped else 3.4,
+    }
+    for name, bound in bounds.items():
+        _, temporaries = in_step_memory(WRITERS[name][1](), params)
+        assert temporaries - baseline < bound, name
+    # with the gradients passed (arguments, which the loop cannot write into), the new
+    # parameters take a bfloat16 buffer of their own: 2 bytes and a slice's, where the
+    # whole-array step keeps the old moments (4) and, for Kahan, float32 sums (6.2 in
+    # these 10 leaves)
+    for name, bound in {"stochastic_rounding": 4.01, "kahan_summation": 6.3}.items():
+        _, temporaries, _ = step_memory(WRITERS[name][1](), params)
+        assert temporaries < (2.1 if looped else bound), name
+    # master_weights' step in the 8-bit state's loop (where the CPU backend widens
+    # bfloat16 slices, the new parameters pass through the loop as uint16: 0.59)
+    tx = jaxscale.master_weights(jaxscale.low_precision_state(adamw(), "int8"))
+    _, temporaries = in_step_memory(tx, params)
+    assert temporaries - baseline < (0.2 if looped else 0.7)  # (0.14 in these 10 leaves)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -321,13 +536,14 @@ def test_an_update_written_into_its_gradients_buffer_is_the_update_computed_whol
 
 def test_an_update_is_written_into_the_gradients_buffer_only_when_it_is_the_steps_own():
     # A passed gradient is an argument of the compiled program, which XLA would copy to
-    # write into; an update computed in float32 for bfloat16 gradients does not fit
-    # their buffer. Both keep the update computed on whole arrays.
+    # write into: the update is computed on whole arrays. Under master_weights the
+    # bfloat16 gradients' buffers take the new bfloat16 parameters (its step handed down
+    # to the loop), where a float32 update would not fit them.
     written = set()  # how many updates a loop writes into gradients' buffers
     original = _in_place._loop
 
     def counting(*args):
-        written.add(len(args[-2]))  # the updates written into gradients' buffers
+        written.add(len(args[13]))  # the updates written into gradients' buffers
         return original(*args)
 
     params = {"w": jnp.ones((512, 256))}
@@ -351,7 +567,9 @@ def test_an_update_is_written_into_the_gradients_buffer_only_when_it_is_the_step
         assert written_by(lambda: in_step.lower(params, tx.init(params))) == {1}
         assert written_by(lambda: tx.update(params, tx.init(params), params)) == {0}  # eager
         master = jax.jit(lambda p, s: bf16.update(times_two(p), s, p))
-        assert written_by(lambda: master.lower(half, bf16.init(half))) == {0}
+        assert written_by(lambda: master.lower(half, bf16.init(half))) == {1}
+        master_given = jax.jit(bf16.update)
+        assert written_by(lambda: master_given.lower(half, bf16.init(half), half)) == {0}
 
 
 @pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "int4"])
@@ -370,6 +588,30 @@ def test_a_training_step_lowered_for_a_gpu_waits_on_nothing(fmt):
     report = jaxscale.lowering_report(step, params, state, jax.ShapeDtypeStruct((), F32))
     assert not report.syncs_with_host, report
     assert report.loops == report.counted_loops >= 1
+
+
+@pytest.mark.parametrize("name", ["stochastic_rounding", "kahan_summation", "bfloat16 state"])
+def test_a_half_precision_training_step_lowered_for_a_gpu_waits_on_nothing(name):
+    # the bfloat16 state, and the parameters stochastic rounding and Kahan write, in a
+    # loop of known trip count on a GPU (where the step is traced on a CPU whose backend
+    # cannot loop over bfloat16, stochastic rounding and Kahan are computed whole)
+    dtype, make = WRITERS[name]
+    params = {"w": jax.ShapeDtypeStruct((4096, 2048), dtype)}
+    tx = jaxscale.grad_scaler(make())
+
+    def step(params, state, scale):
+        grads = jax.tree.map(lambda p: jnp.sin(p) * scale.astype(p.dtype), params)
+        updates, state = tx.update(grads, state, params)
+        with third_party.standard_promotion():
+            return optax.apply_updates(params, updates), state
+
+    state = jax.eval_shape(tx.init, params)
+    report = jaxscale.lowering_report(step, params, state, jax.ShapeDtypeStruct((), F32))
+    assert not report.syncs_with_host, report
+    assert report.data_conditionals == 0, report
+    assert report.loops == report.counted_loops
+    if name == "bfloat16 state" or cpu_backend.loops_over_bfloat16():
+        assert report.counted_loops >= 1
 
 
 @pytest.mark.parametrize("conditional", ["MultiSteps", "apply_if_finite"])
@@ -429,6 +671,62 @@ def test_master_weights_casts_in_slices_what_it_casts_whole(monkeypatch):
     sliced = step()
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(sliced), strict=True):
         np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
+
+
+@pytest.mark.parametrize("chained", [False, True])
+def test_master_weights_hands_its_step_down_to_the_loop(chained, monkeypatch):
+    # In a training step, master_weights' own step (master plus update, rounded) runs in
+    # the 8-bit state's loop: each new bfloat16 parameter written into its gradient's
+    # buffer, each new master into its own. An inner transform that changes the loop's
+    # updates after it (chained) makes master_weights compute its step itself, from them.
+    monkeypatch.setattr(_in_place, "CPU_SLICE", 4096)  # 16 iterations
+    params = {
+        "w": (jax.random.normal(jax.random.key(0), (64, 1024)) * 0.1).astype(BF16),
+        "b": jnp.zeros((7,), F32),  # no master, and no block: as it is
+    }
+    handed = []
+    original = _master_weights.FinishedStep.finished
+
+    def finished(self, inner_updates):
+        handed.append(original(self, inner_updates))
+        return handed[-1]
+
+    monkeypatch.setattr(_master_weights.FinishedStep, "finished", finished)
+
+    def run(hand_down):
+        state_tx = jaxscale.low_precision_state(adamw(), "int8")
+        inner = optax.chain(state_tx, optax.scale(0.5)) if chained else state_tx
+        tx = jaxscale.master_weights(inner)
+
+        step = sine_training_step(tx)
+
+        current, state = params, tx.init(params)
+        with contextlib.ExitStack() as stack:
+            if not hand_down:  # the step nobody may claim
+                stack.enter_context(pytest.MonkeyPatch.context()).setattr(
+                    _master_weights, "finishing", lambda step: contextlib.nullcontext()
+                )
+            for scale in [1.0, 2.0, 3.0]:
+                current, state = step(current, state, jnp.float32(scale))
+        return current, state
+
+    alone = run(hand_down=False)
+    assert handed == [False]
+    handed.clear()
+    down = run(hand_down=True)
+    assert handed == [not chained]
+    paths = jax.tree_util.tree_flatten_with_path(alone)[0]
+    for (path, a), b in zip(paths, jax.tree.leaves(down), strict=True):
+        where = jax.tree_util.keystr(path)
+        assert a.dtype == b.dtype, where
+        if not jnp.issubdtype(a.dtype, jnp.floating) or not a.ndim:  # codes, counts
+            np.testing.assert_array_equal(bytes_of(a), bytes_of(b), err_msg=where)
+        elif a.dtype == BF16:  # a last float32 bit apart in the master, rounded: rarely
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            np.testing.assert_allclose(a, b, rtol=2**-7, atol=1e-7, err_msg=where)
+            assert np.mean(a != b) < 0.005, where
+        else:  # the masters and the scales: float32's rounding apart at most
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=2e-9, err_msg=where)
 
 
 def test_a_value_derived_from_a_derived_value_goes_back_to_the_first_source():
@@ -783,7 +1081,11 @@ def test_an_8_bit_state_saved_on_8_devices_restores_onto_4_bit_for_bit(tmp_path)
     ],
     ids=["stochastic_rounding", "kahan_summation", "master_weights", "master_weights(int8)"],
 )
-def test_the_parameter_writers_communicate_nothing_under_fsdp(make):
+@pytest.mark.parametrize("gradients", ["given", "computed in the step"])
+def test_the_parameter_writers_communicate_nothing_under_fsdp(make, gradients, monkeypatch):
+    # computed in the step, the parameters are written in the loop over slices (made to
+    # run on any JAX here), whose slices span every device's shard
+    loops_over_bfloat16(monkeypatch, True)
     mesh = fsdp_mesh()
     tx = make()
     params = {
@@ -797,6 +1099,8 @@ def test_the_parameter_writers_communicate_nothing_under_fsdp(make):
     )
 
     def step(params, state, grads):
+        if gradients != "given":
+            grads = jax.tree.map(jnp.sin, params)
         updates, state = tx.update(grads, state, params)
         with third_party.standard_promotion():
             return optax.apply_updates(params, updates), state
@@ -804,6 +1108,32 @@ def test_the_parameter_writers_communicate_nothing_under_fsdp(make):
     jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=(None, shardings))
     compiled = machine.compiled_to_inspect(jitted.lower(params, state, params))
     assert COLLECTIVE.findall(compiled.as_text()) == []
+
+
+@pytest.mark.parametrize("loops", [False, True])
+def test_a_training_step_draws_the_same_bits_on_any_mesh(loops, monkeypatch):
+    # stochastic rounding in a training step, on whole arrays and in the loop's slices
+    loops_over_bfloat16(monkeypatch, loops)
+    monkeypatch.setattr(_in_place, "CPU_SLICE", 1 << 14)
+    tx = jaxscale.stochastic_rounding(adamw(), key=jax.random.key(0))
+    params = {
+        name: (jax.random.normal(jax.random.key(i), shape) * 0.1).astype(BF16)
+        for i, (name, shape) in enumerate(FSDP_PARAMS.items())
+    }
+
+    @jax.jit
+    def step(params, state):
+        grads = jax.tree.map(lambda p: jnp.sin(p * 3), params)
+        updates, state = tx.update(grads, state, params)
+        with third_party.standard_promotion():
+            return optax.apply_updates(params, updates), state
+
+    alone = step(params, tx.init(params))
+    mesh = fsdp_mesh()
+    put = lambda tree: jax.device_put(tree, sharded_like_parameters(mesh, tree))  # noqa: E731
+    sharded = step(put(params), put(tx.init(params)))
+    for a, b in zip(jax.tree.leaves(alone), jax.tree.leaves(sharded), strict=True):
+        np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
 
 
 def test_stochastic_rounding_draws_the_same_bits_on_any_mesh():
