@@ -11,6 +11,7 @@ argument.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import re
 import time
@@ -896,8 +897,19 @@ def test_jit_init_compiles_about_as_fast_as_optaxs():
         jax.jit(tx.init).lower(params).compile()
         return time.perf_counter() - start
 
-    optax_time = seconds(adamw())
-    ours = seconds(jaxscale.low_precision_state(adamw(), "int8"))
+    # the faster of three interleaved runs, the collector held off: a worker that has run
+    # a thousand tests can pause for a second to collect, and two workers share two cores
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        times = [
+            (seconds(adamw()), seconds(jaxscale.low_precision_state(adamw(), "int8")))
+            for _ in range(3)
+        ]
+    finally:
+        if collecting:
+            gc.enable()
+    optax_time, ours = (min(column) for column in zip(*times, strict=True))
     # 27 s when XLA folded the quantization of the zero moments block by block
     assert ours < 10 * optax_time + 1.0
 
