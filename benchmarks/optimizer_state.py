@@ -30,7 +30,12 @@ step's temporaries each time it runs, and glibc maps fresh pages for each one ab
 32 MiB, so the first table charges a variant for its temporaries' page faults and
 the second for its arithmetic and memory traffic alone.
 
+With ``--gpu-target h100`` the memory tables are read from the steps compiled for an
+H100 on a machine without one (XLA's deviceless compile, ``benchmarks/gpu_target.py``;
+needs JAX's CUDA plugin), and nothing is timed.
+
     python -m benchmarks.optimizer_state --layout 10M/50 --repeats 7
+    python -m benchmarks.optimizer_state --layout 32M/4 --gpu-target h100  # no GPU needed
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import jax.numpy as jnp
 import optax
 
 import jaxscale
+from benchmarks import gpu_target
 from benchmarks.allocation import reuse_freed_memory
 from benchmarks.harness import JaxStepper, Result, Stepper, measure, table
 
@@ -132,6 +138,11 @@ def abstract_parameters(n_params: int, n_leaves: int, dtype: Any) -> dict[str, A
     return {f"p{i:03d}": jax.ShapeDtypeStruct((size,), dtype) for i in range(n_leaves)}
 
 
+def placed(tree: Any, target: Any) -> Any:
+    """``tree``'s abstract arrays, on ``target`` (a device of ``gpu_target``) if any."""
+    return tree if target is None else gpu_target.placed_like(tree, target)
+
+
 def step_of(tx: Any) -> Callable[..., tuple[Any, Any]]:
     def step(params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
         updates, state = tx.update(grads, state, params)
@@ -148,13 +159,17 @@ def stepper(dtype: Any, make_tx: Callable[[], Any], n_params: int, n_leaves: int
     return JaxStepper(step, (params, tx.init(params)), (grads,))
 
 
-def memory(dtype: Any, make_tx: Callable[[], Any], n_params: int, n_leaves: int) -> dict:
-    """Bytes per parameter of the donated step compiled on abstract shapes: at rest
-    (arguments), the temporaries, the peak, and the optimizer's state alone."""
+def memory(
+    dtype: Any, make_tx: Callable[[], Any], n_params: int, n_leaves: int, target: Any = None
+) -> dict:
+    """Bytes per parameter of the donated step compiled on abstract shapes (for this
+    machine's default device, or ``target``): at rest (arguments), the temporaries, the
+    peak, and the optimizer's state alone."""
     tx = make_tx()
     params = abstract_parameters(n_params, n_leaves, dtype)
     state = jax.eval_shape(tx.init, params)
-    compiled = jax.jit(step_of(tx), donate_argnums=(0, 1)).lower(params, state, params).compile()
+    arguments = placed((params, state, params), target)
+    compiled = jax.jit(step_of(tx), donate_argnums=(0, 1)).lower(*arguments).compile()
     analysis = compiled.memory_analysis()
     count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
     unaliased = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
@@ -170,7 +185,7 @@ def memory(dtype: Any, make_tx: Callable[[], Any], n_params: int, n_leaves: int)
 
 
 def training_step_memory(
-    dtype: Any, make_tx: Callable[[], Any], n_params: int, n_leaves: int
+    dtype: Any, make_tx: Callable[[], Any], n_params: int, n_leaves: int, target: Any = None
 ) -> dict:
     """Bytes per parameter of a donated training step that computes its gradients (each
     leaf's from a matmul, as a layer's are, so XLA writes them out): at rest (parameters
@@ -188,7 +203,8 @@ def training_step_memory(
         return step_of(tx)(params, state, grads)
 
     mixing = jax.ShapeDtypeStruct((256, 256), F32)  # (its bytes are left out below)
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, mixing).compile()
+    arguments = placed((params, state, mixing), target)
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*arguments).compile()
     analysis = compiled.memory_analysis()
     count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
     at_rest = (analysis.argument_size_in_bytes - 256 * 256 * 4) / count
@@ -250,6 +266,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--torch", choices=["cpu", "none"], default="none")
     parser.add_argument("--memory-only", action="store_true")
     parser.add_argument(
+        "--gpu-target",
+        choices=list(gpu_target.TARGETS),
+        help="the memory tables of the steps compiled for this GPU, on a machine without "
+        "one (XLA's deviceless compile; needs JAX's CUDA plugin); nothing is timed",
+    )
+    parser.add_argument(
         "--allocator",
         choices=["both", "default", "reuse"],
         default="both",
@@ -259,13 +281,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     count, leaves = args.layout.split("/")
     n_params, n_leaves = int(float(count.rstrip("M")) * 1e6), int(leaves)
+    target = gpu_target.device(args.gpu_target) if args.gpu_target else None
+    compiled_for = f" for {args.gpu_target} (no device)" if target else ""
 
-    print(f"Bytes per parameter, {args.layout} parameters/leaves, the donated step compiled:\n")
+    print(
+        f"Bytes per parameter, {args.layout} parameters/leaves, the donated step compiled"
+        f"{compiled_for}:\n"
+    )
     print("| variant | at rest | temporaries | peak | optimizer state alone |")
     print("|---|---|---|---|---|")
     footprint = {}
     for name, (dtype, make_tx) in VARIANTS.items():
-        footprint[name] = memory(dtype, make_tx, n_params, n_leaves)
+        footprint[name] = memory(dtype, make_tx, n_params, n_leaves, target)
         row = footprint[name]
         print(
             f"| {name} | {row['at rest']:.2f} | {row['temporaries']:.2f} | {row['peak']:.2f} "
@@ -277,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("|---|---|---|---|---|")
     plain: dict[Any, float] = {}  # optax.adamw's temporaries, by parameter dtype
     for name, (dtype, make_tx) in VARIANTS.items():
-        row = training_step_memory(dtype, make_tx, n_params, n_leaves)
+        row = training_step_memory(dtype, make_tx, n_params, n_leaves, target)
         plain.setdefault(dtype, row["temporaries"])  # (the first variant of each dtype)
         beyond = row["beyond optax.adamw's"] = row["temporaries"] - plain[dtype]
         footprint[name]["training step"] = row
@@ -293,13 +320,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("| variant | at rest | temporaries | peak |")
     print("|---|---|---|---|")
     for name, make_tx in CONDITIONAL.items():
-        row = training_step_memory(F32, make_tx, n_params, n_leaves)
+        row = training_step_memory(F32, make_tx, n_params, n_leaves, target)
         footprint[name] = {"training step": row}
         print(
             f"| {name} | {row['at rest']:.2f} | {row['temporaries']:.2f} | {row['peak']:.2f} |",
             flush=True,
         )
-    if args.memory_only:
+    if args.memory_only or target is not None:
         return {"memory": footprint}
 
     variants = {

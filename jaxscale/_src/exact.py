@@ -13,7 +13,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 
 def divide_exactly(numerator: jax.Array, denominator: Any) -> jax.Array:
@@ -25,8 +24,10 @@ def divide_exactly(numerator: jax.Array, denominator: Any) -> jax.Array:
 
 
 def divide_by_constant(numerator: jax.Array, constant: Any) -> jax.Array:
-    """``numerator / constant`` correctly rounded, the constant held behind an
-    optimization barrier: for an array of a few elements (one per block), which the
-    barrier materialises."""
-    held = lax.optimization_barrier(jnp.full(numerator.shape, constant, jnp.float32))
-    return numerator / held
+    """``numerator / constant`` correctly rounded, the constant chosen by a select on the
+    numerator (:func:`divide_exactly`): computed with each array, so that arrays
+    divided by the same constant share no operand (XLA's GPU backend fuses the
+    quantizations of every leaf sharing one into a single kernel, which holds all their
+    float32 values at once; an optimization barrier does not hold there, as XLA's GPU
+    backend removes barriers before it fuses)."""
+    return divide_exactly(numerator, np.float32(constant))

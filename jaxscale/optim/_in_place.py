@@ -84,20 +84,18 @@ class Slot:
     signed: bool = True
 
     def arrays(self, stored: Any) -> tuple[Any, ...]:
-        """The arrays a stored leaf is kept in, as a loop carries them: float8 codes as
-        their bytes (XLA's CPU backend updates a slice of a float8 array by converting
-        the whole array to float16 and back)."""
+        """The arrays a stored leaf is kept in: itself, or its codes and scales."""
         if self.kind != "blocks":
             return (stored,)
         codes, scale = stored
-        return (_as_bytes(codes), scale)
+        return (codes, scale)
 
     def stored(self, arrays: Sequence[Any], like: Any) -> Any:
         """The stored leaf from :meth:`arrays`, of ``like``'s type."""
         if self.kind != "blocks":
             return arrays[0]
         codes, scale = arrays
-        return type(like)(lax.bitcast_convert_type(codes, like[0].dtype), scale)
+        return type(like)(codes, scale)
 
     @property
     def blocks(self) -> tuple[BlockLayout, BlockFormat]:
@@ -142,17 +140,10 @@ class Slot:
             return (rows,)
         if self.kind == "cast":
             return (rows.astype(self.dtype),)
-        codes, scale = quantize_rows(rows, *self.blocks, self.signed)
-        return (_as_bytes(codes), scale)
+        return quantize_rows(rows, *self.blocks, self.signed)
 
 
 AS_IS = Slot("as is")
-
-
-def _as_bytes(codes: Any) -> Any:
-    if codes.dtype == jnp.uint8:
-        return codes
-    return lax.bitcast_convert_type(codes, jnp.uint8)
 
 
 def slice_sizes() -> dict[str, int]:
@@ -415,7 +406,11 @@ def _run_component(
     # copy; it runs where the platform slices bfloat16 in place (not XLA's CPU backend
     # before jaxlib 0.11.2, whose loop over bfloat16 is far slower than the copy).
     blocks = any(slots[i].kind == "blocks" for i in narrowed)
-    halves_in_place = {"cpu": slices_bfloat16_in_place(), "default": True}
+    # The floating widths a platform's loop slices as unsigned integers: XLA's CPU
+    # backend widens a whole float8 array to slice it (and a bfloat16 one before jaxlib
+    # 0.11.2); an accelerator slices both as they are, where a view of an argument as
+    # integers would be a copy of it.
+    viewed = {"cpu": (8,) if slices_bfloat16_in_place() else (8, 16), "default": ()}
     carriers = _gradient_carriers(
         program, component, count, shape, others, other_values, other_functions
     )
@@ -435,10 +430,10 @@ def _run_component(
     plans = {
         platform: _Plan(
             iterations=trip_count(layout.rows, layout.row_length, elements)
-            if blocks or (carriers and halves_in_place[platform])
+            if blocks or (carriers and 16 not in viewed[platform])
             else 1,
-            carried_updates=blocks or bool(carriers and halves_in_place[platform]),
-            halves_as_bits=not halves_in_place[platform],
+            carried_updates=blocks or bool(carriers and 16 not in viewed[platform]),
+            viewed_as_bits=viewed[platform],
         )
         for platform, elements in slice_sizes().items()
     }
@@ -459,7 +454,7 @@ def _run_component(
             program, component, wanted, carried, sources, kept_others, kept_values,
             kept_functions, values, layout.rows, layout.row_length, plan.iterations,
             [outvars[k] for k in carried_indices], [carriers[k][1] for k in carried_indices],
-            previous, plan.halves_as_bits,
+            previous, plan.viewed_as_bits,
         )  # fmt: skip
         if not plan.carried_updates:  # computed on whole arrays
             update_arrays = [whole_updates[k] for k in update_indices]
@@ -499,12 +494,12 @@ _Carrier = tuple[int | None, tuple[Any, Any, Callable[[Any], Any] | None]]
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """How a component runs on one platform: in ``iterations`` slices, its updates
-    written into their gradients' buffers or computed on whole arrays, and its 16-bit
-    floating arrays sliced as unsigned integers or as they are."""
+    written into their gradients' buffers or computed on whole arrays, and the widths of
+    the floating arrays it slices as unsigned integers (the others as they are)."""
 
     iterations: int
     carried_updates: bool
-    halves_as_bits: bool
+    viewed_as_bits: tuple[int, ...]
 
 
 def _in(program: ElementwiseProgram, k: int, component: int) -> bool:
@@ -564,7 +559,7 @@ def _loop(
     updates: list[Any],
     carrier_inputs: list[tuple[Any, Any, Callable[[Any], Any] | None]],
     previous: Any,
-    halves_as_bits: bool = True,
+    viewed_as_bits: tuple[int, ...] = (8, 16),
 ) -> tuple[list[list[Any]], list[Any], Any]:
     """The carried arrays after ``iterations`` iterations, each over every
     ``iterations``-th row: the component evaluated on the slice, the new state written
@@ -580,10 +575,13 @@ def _loop(
     first slices wait for ``previous``, a scalar the previous loop returned; it returns
     its own (its count of iterations) as the third result, else ``previous``.
 
-    ``halves_as_bits`` slices the 16-bit floating arrays it reads or writes as unsigned
+    It slices the floating arrays of the widths in ``viewed_as_bits`` as unsigned
     integers of their width (on a platform that widens them whole to slice them)."""
     group = rows // iterations
-    as_bits = functools.partial(_as_bits, halves=halves_as_bits)
+    as_bits = functools.partial(_as_bits, widths=viewed_as_bits)
+
+    def from_bits(pieces: list[Any], dtypes: list[Any]) -> list[Any]:
+        return [_from_bits(p, dtype) for p, dtype in zip(pieces, dtypes, strict=True)]
 
     def as_rows(array: Any) -> Any:  # (group, iterations, per row) views: strided slices
         return array.reshape(group, iterations, -1)
@@ -592,7 +590,8 @@ def _loop(
         start = (0, step, 0)
         return lax.dynamic_slice(array, start, (array.shape[0], 1, array.shape[2]))[:, 0]
 
-    arrays = [[as_rows(a) for a in stored] for _, stored in carried]
+    carried_dtypes = [[jnp.result_type(a) for a in stored] for _, stored in carried]
+    arrays = [[as_rows(as_bits(a)) for a in stored] for _, stored in carried]
     arrays += [[as_rows(as_bits(source))] for _, source, _ in carrier_inputs]
     other_dtypes = [jnp.result_type(v) for v in other_values]
     other_rows = [as_rows(as_bits(v)) for v in other_values]
@@ -610,7 +609,7 @@ def _loop(
         }
         for var, position in sources.items():
             slot, _ = carried[position]
-            inputs[var] = slot.read_rows(slices[position])
+            inputs[var] = slot.read_rows(from_bits(slices[position], carried_dtypes[position]))
         for (var, _, function), dtype, pieces in zip(
             carrier_inputs, carrier_dtypes, slices[len(carried) :], strict=True
         ):
@@ -630,19 +629,21 @@ def _loop(
         )
         written = []
         state_slices, state_results = slices[: len(carried)], results[: len(carried)]
-        for (slot, _), old, result in zip(carried, state_slices, state_results, strict=True):
-            new = list(slot.write_rows(result))
+        for (slot, _), old, result, dtypes in zip(
+            carried, state_slices, state_results, carried_dtypes, strict=True
+        ):
+            new = [
+                as_bits(n.astype(dtype))
+                for n, dtype in zip(slot.write_rows(result), dtypes, strict=True)
+            ]
             if program.branches and slot.kind == "blocks":
                 # a row the update left as it was (a branch that keeps the state: the
                 # steps between optax.MultiSteps' applied ones) keeps its stored codes
                 # and scales: quantized again, a block need not give them back
-                unchanged = unchanged_rows(result, slot.read_rows(old))
-                new = [
-                    jnp.where(unchanged, o, n.astype(o.dtype))
-                    for o, n in zip(old, new, strict=True)
-                ]
+                unchanged = unchanged_rows(result, slot.read_rows(from_bits(old, dtypes)))
+                new = [jnp.where(unchanged, o, n) for o, n in zip(old, new, strict=True)]
             if skip is not None:  # a skipped step writes back what it read
-                new = [jnp.where(skip, o, n.astype(o.dtype)) for o, n in zip(old, new, strict=True)]
+                new = [jnp.where(skip, o, n) for o, n in zip(old, new, strict=True)]
             written.append(new)
         for update, dtype in zip(results[len(carried) :], carrier_dtypes, strict=True):
             # (a skipped step's updates are replaced after the loop, as any update is)
@@ -708,19 +709,22 @@ def _loop(
         _from_bits(pieces[0], dtype)
         for pieces, dtype in zip(arrays[len(carried) :], carrier_dtypes, strict=True)
     ]
-    return arrays[: len(carried)], update_arrays, done
+    state_arrays = [
+        from_bits(pieces, dtypes)
+        for pieces, dtypes in zip(arrays[: len(carried)], carried_dtypes, strict=True)
+    ]
+    return state_arrays, update_arrays, done
 
 
-def _as_bits(array: Any, halves: bool = True) -> Any:
-    """A float8 array (and a half-precision one where ``halves``) as unsigned integers of
-    its width: XLA's CPU backend slices such an array inside a loop by converting all of
-    it to float32 first (written whole, outside the loop), and slices integers as they
-    are. (A view of an argument is a copy of it, but half the float32 one.)"""
+def _as_bits(array: Any, widths: tuple[int, ...] = (8, 16)) -> Any:
+    """A floating array of one of the bit ``widths`` as unsigned integers of its width:
+    XLA's CPU backend slices a float8 array (and a bfloat16 one before jaxlib 0.11.2)
+    inside a loop by converting all of it to float32 first (written whole, outside the
+    loop), and slices integers as they are. (A view of an argument is a copy of it, but
+    a fraction of the float32 one.)"""
     dtype = jnp.result_type(array)
-    if not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).bits not in (8, 16):
-        return array  # (a 4-bit type has no integer of its width)
-    if dtype.itemsize == 2 and not halves:
-        return array
+    if not jnp.issubdtype(dtype, jnp.floating) or jnp.finfo(dtype).bits not in widths:
+        return array  # (and a 4-bit type, which has no integer of its width)
     return lax.bitcast_convert_type(array, jnp.uint16 if dtype.itemsize == 2 else jnp.uint8)
 
 
