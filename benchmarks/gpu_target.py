@@ -3,8 +3,10 @@
 XLA's GPU compiler needs no GPU to compile: given a description of the device it
 runs every pass and emits the kernels, so compile time, the fusions it makes and the
 kernels it launches can be studied on any machine. Needs JAX's CUDA plugin
-(``pip install "jax[cuda12]"``); no GPU and no driver. Figures from it are compile
-times and program structure, never run times.
+(``pip install "jax[cuda13]"``); no GPU and no driver, but without a driver the
+plugin's version checks fail and it does not load unless they are skipped:
+``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``. Figures from it are compile times, memory
+and program structure, never run times.
 
     python -m benchmarks.compile_time --gpu-target h100 --leaves 100 500
 """
@@ -65,7 +67,8 @@ def device(target: str) -> Any:
     except Exception as error:  # the plugin's errors differ between JAX releases
         raise RuntimeError(
             f"no deviceless compile for {target!r}: it needs JAX's CUDA plugin "
-            f'(pip install "jax[cuda12]"), and the plugin said: {error}'
+            f'(pip install "jax[cuda13]"; on a machine without a driver, run with '
+            f"JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1), and the plugin said: {error}"
         ) from error
     return topology.devices[0]
 

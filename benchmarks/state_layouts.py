@@ -8,7 +8,15 @@ the bytes per parameter of ``low_precision_state(optax.adamw(...), fmt)``'s stat
 under torchao's rule and with ``partial_blocks=True`` (every tensor of at least
 4,096 elements quantized). Computed with ``jax.eval_shape``: nothing is allocated.
 
+With ``--peak`` it prints instead what a model meets: the peak of the donated step
+(``update`` + ``apply_updates``, the gradients passed to it), parameters, gradients,
+state and XLA's temporaries, per parameter and as a fraction of float32 Adam's, each
+format with ``partial_blocks=True``; compiled on abstract shapes for this machine, or
+with ``--gpu-target h100`` for an H100 on a machine without one (XLA's deviceless
+compile, ``benchmarks/gpu_target.py``; needs JAX's CUDA plugin).
+
     python -m benchmarks.state_layouts
+    python -m benchmarks.state_layouts --peak --gpu-target h100
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import jax.numpy as jnp
 import optax
 
 import jaxscale
+from benchmarks import gpu_target
 
 
 def gpt2_small() -> dict[str, tuple[int, ...]]:
@@ -110,9 +119,69 @@ def state_bytes_per_parameter(shapes: dict[str, tuple[int, ...]], tx: Any) -> fl
     return stored / count
 
 
+def peak_bytes_per_parameter(
+    shapes: dict[str, tuple[int, ...]], tx: Any, target: Any = None
+) -> tuple[float, float]:
+    """The donated step's peak (arguments, temporaries and any output not written into a
+    donated argument) and its temporaries alone, bytes per parameter, the gradients
+    passed; compiled for this machine or for ``target`` (a device of ``gpu_target``)."""
+    params = {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in shapes.items()}
+    state = jax.eval_shape(tx.init, params)
+
+    def step(params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    arguments = (params, state, params)
+    if target is not None:
+        arguments = gpu_target.placed_like(arguments, target)
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*arguments).compile()
+    analysis = compiled.memory_analysis()
+    count = sum(math.prod(shape) for shape in shapes.values())
+    unaliased = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+    peak = analysis.argument_size_in_bytes + analysis.temp_size_in_bytes + unaliased
+    return peak / count, analysis.temp_size_in_bytes / count
+
+
+def print_peaks(target: Any) -> dict[str, dict[str, tuple[float, float]]]:
+    print("| model | parameters | float32 Adam | " + " | ".join(FORMATS) + " |")
+    print("|---|---|---|" + "---|" * len(FORMATS))
+    results: dict[str, dict[str, tuple[float, float]]] = {}
+    for model, make in MODELS.items():
+        shapes = make()
+        count = sum(math.prod(shape) for shape in shapes.values())
+        baseline = peak_bytes_per_parameter(shapes, optax.adamw(1e-3), target)
+        row = {"float32": baseline}
+        for fmt in FORMATS:
+            options = {} if fmt == "bfloat16" else {"partial_blocks": True}
+            tx = jaxscale.low_precision_state(optax.adamw(1e-3), fmt, **options)
+            row[fmt] = peak_bytes_per_parameter(shapes, tx, target)
+        results[model] = row
+        cells = [f"{peak:.2f} ({peak / baseline[0]:.2f}x)" for peak, _ in list(row.values())[1:]]
+        print(
+            f"| {model} | {count / 1e6:.1f}M | {baseline[0]:.2f} | " + " | ".join(cells) + " |",
+            flush=True,
+        )
+    largest = max(temporaries for row in results.values() for _, temporaries in row.values())
+    print(f"\n(peak bytes per parameter; temporaries at most {largest:.2f} bytes per parameter)")
+    return results
+
+
 def main(argv: list[str] | None = None) -> dict[str, dict[str, tuple[float, float]]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.parse_args(argv)
+    parser.add_argument("--peak", action="store_true", help="the donated step's peak")
+    parser.add_argument(
+        "--gpu-target",
+        choices=list(gpu_target.TARGETS),
+        help="with --peak: compile for this GPU, on a machine without one (needs JAX's "
+        "CUDA plugin)",
+    )
+    args = parser.parse_args(argv)
+    if args.gpu_target and not args.peak:
+        parser.error("--gpu-target measures the peak: give --peak too")
+    if args.peak:
+        target = gpu_target.device(args.gpu_target) if args.gpu_target else None
+        return print_peaks(target)
     print("| model | parameters | float32 | " + " | ".join(FORMATS) + " |")
     print("|---|---|---|" + "---|" * len(FORMATS))
     results: dict[str, dict[str, tuple[float, float]]] = {}

@@ -270,10 +270,15 @@ def _pack(codes: jax.Array, fmt: BlockFormat) -> jax.Array:
 
 
 def _unpack(codes: jax.Array, fmt: BlockFormat) -> jax.Array:
+    """:func:`_pack` undone, each code from its byte by a shift that depends on its
+    position: elementwise, so it fuses with what reads it (a stack of the two halves
+    is a concatenation, which XLA's GPU backend writes out whole)."""
     if fmt.bits == 8:
         return codes
-    pairs = jnp.stack([codes >> 4, codes & 0xF], axis=-1)
-    return pairs.reshape(codes.shape[0], -1)
+    count, width = codes.shape
+    doubled = jnp.broadcast_to(codes[:, :, None], (count, width, 2)).reshape(count, 2 * width)
+    second = lax.broadcasted_iota(jnp.uint8, doubled.shape, 1) & np.uint8(1)
+    return (doubled >> ((np.uint8(1) - second) * np.uint8(4))) & np.uint8(0xF)
 
 
 # -- the nearest map entry ----------------------------------------------------------------------
