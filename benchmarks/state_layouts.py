@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -143,13 +144,19 @@ def peak_bytes_per_parameter(
     return peak / count, analysis.temp_size_in_bytes / count
 
 
-def print_peaks(target: Any) -> dict[str, dict[str, tuple[float, float]]]:
-    print("| model | parameters | float32 Adam | " + " | ".join(FORMATS) + " |")
+def layouts(baseline: str) -> Iterator[tuple[str, dict[str, tuple[int, ...]], int]]:
+    """Each model's name, parameter shapes and parameter count, after a table header
+    whose third column is ``baseline``."""
+    print(f"| model | parameters | {baseline} | " + " | ".join(FORMATS) + " |")
     print("|---|---|---|" + "---|" * len(FORMATS))
-    results: dict[str, dict[str, tuple[float, float]]] = {}
     for model, make in MODELS.items():
         shapes = make()
-        count = sum(math.prod(shape) for shape in shapes.values())
+        yield model, shapes, sum(math.prod(shape) for shape in shapes.values())
+
+
+def print_peaks(target: Any) -> dict[str, dict[str, tuple[float, float]]]:
+    results: dict[str, dict[str, tuple[float, float]]] = {}
+    for model, shapes, count in layouts("float32 Adam"):
         baseline = peak_bytes_per_parameter(shapes, optax.adamw(1e-3), target)
         row = {"float32": baseline}
         for fmt in FORMATS:
@@ -182,12 +189,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, tuple[float, floa
     if args.peak:
         target = gpu_target.device(args.gpu_target) if args.gpu_target else None
         return print_peaks(target)
-    print("| model | parameters | float32 | " + " | ".join(FORMATS) + " |")
-    print("|---|---|---|" + "---|" * len(FORMATS))
     results: dict[str, dict[str, tuple[float, float]]] = {}
-    for model, make in MODELS.items():
-        shapes = make()
-        count = sum(math.prod(shape) for shape in shapes.values())
+    for model, shapes, count in layouts("float32"):
         float32 = state_bytes_per_parameter(shapes, optax.adamw(1e-3))
         row = {}
         for fmt in FORMATS:
