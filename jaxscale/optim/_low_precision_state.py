@@ -35,7 +35,14 @@ from jaxscale.optim._blockwise import (
 from jaxscale.optim._in_place import AS_IS, Slot, update_in_place
 from jaxscale.optim._kahan import KahanSummationState
 from jaxscale.optim._master_weights import MasterWeightsState
-from jaxscale.optim._variables import holding, is_variable, sharding_names, value_of
+from jaxscale.optim._variables import (
+    held_like,
+    holding,
+    is_variable,
+    sharding_names,
+    value_of,
+    values_of,
+)
 from jaxscale.optim._wrapping import validated_inner
 
 BFLOAT16 = np.dtype(jnp.bfloat16)
@@ -241,15 +248,20 @@ def low_precision_state(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, LowPrecisionState]:
-        stored = jax.tree.map(value_of, state.inner_state, is_leaf=is_variable)
+        # computed on the arrays alone, the results put back into the variables that
+        # held the gradients and the old state (held_like)
+        stored = values_of(state.inner_state)
         slots = _slot_tree(slot_of, stored)
 
         def update(updates: Any, wide_state: Any, params: Any) -> Any:
             return inner.update(updates, wide_state, params, **extra_args)
 
-        new_updates, new_stored = update_in_place(update, updates, stored, slots, (params,))
+        new_updates, new_stored = update_in_place(
+            update, values_of(updates), stored, slots, (values_of(params),)
+        )
         _require_same_layout(stored, new_stored)
-        return new_updates, LowPrecisionState(new_stored)
+        new_updates = held_like(updates, new_updates)
+        return new_updates, LowPrecisionState(held_like(state.inner_state, new_stored))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

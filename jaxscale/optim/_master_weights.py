@@ -19,6 +19,7 @@ import optax
 from jaxscale._src.deferred import derived_elementwise
 from jaxscale._src.jaxprs import is_staged_argument
 from jaxscale.optim._handed_down import FinishedStep, finishing
+from jaxscale.optim._variables import held_like, values_of
 from jaxscale.optim._wrapping import (
     PARAMETER_WRITERS,
     floating_dtype,
@@ -120,13 +121,15 @@ def master_weights(
     ) -> tuple[optax.Updates, MasterWeightsState]:
         require_params(params, "master_weights")
         _require_masters_of_narrow_parameters(state.masters, params, master_dtype)
+        # computed on the arrays alone, the results put back into the variables that
+        # held the gradients and the old masters (held_like)
+        given_updates, given_masters = updates, state.masters
+        updates, params, masters = values_of(updates), values_of(params), values_of(state.masters)
 
         def widened(grad: Any) -> Any:
             return grad.astype(master_dtype)
 
-        grads = map_with_optional(
-            lambda m, g: g if m is None else widened(g), state.masters, updates
-        )
+        grads = map_with_optional(lambda m, g: g if m is None else widened(g), masters, updates)
 
         def step(inner_updates: Any, masters: Any) -> tuple[Any, Any]:
             """The new masters, and each new parameter (``inner``'s update for a parameter
@@ -148,18 +151,18 @@ def master_weights(
         # and the gradients are the step's own (passed to it, they cannot be written
         # into, and the update is computed on whole arrays after the loop anyway)
         passed = all(is_staged_argument(leaf) for leaf in jax.tree.leaves(updates))
-        handed = FinishedStep(step, state.masters)
+        handed = FinishedStep(step, masters)
         with (
             derived_elementwise(grads, updates, widened),
             finishing(handed) if not passed else contextlib.nullcontext(),
         ):
             inner_updates, inner_state = inner.update(
-                grads, state.inner_state, _with_masters(state.masters, params), **extra_args
+                grads, state.inner_state, _with_masters(masters, params), **extra_args
             )
         if handed.finished(inner_updates):
             written, masters = handed.written, handed.new_beside
         else:
-            written, masters = step(inner_updates, state.masters)
+            written, masters = step(inner_updates, masters)
 
         def to_update(master: Any, written: Any, param: Any) -> Any:
             if master is None:
@@ -167,7 +170,9 @@ def master_weights(
             return written.astype(master_dtype) - param.astype(master_dtype)
 
         new_updates = map_with_optional(to_update, masters, written, params)
-        return new_updates, MasterWeightsState(masters, inner_state)
+        return held_like(given_updates, new_updates), MasterWeightsState(
+            held_like(given_masters, masters), inner_state
+        )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -219,19 +224,6 @@ def _as_master_weights_state(node: Any) -> MasterWeightsState | None:
     return None
 
 
-def _is_variable(node: Any) -> bool:
-    return callable(getattr(node, "get_value", None))  # a flax.nnx.Variable
-
-
-def _values(tree: Any) -> Any:
-    """``tree`` with each ``flax.nnx.Variable`` replaced by the array it holds."""
-    return jax.tree.map(
-        lambda node: node.get_value() if _is_variable(node) else node,
-        tree,
-        is_leaf=lambda node: node is None or _is_variable(node),
-    )
-
-
 def master_params(opt_state: Any, params: optax.Params) -> optax.Params:
     """``params`` with each parameter that :func:`master_weights` keeps a master of
     replaced by that master: the parameters at full precision.
@@ -272,4 +264,4 @@ def master_params(opt_state: Any, params: optax.Params) -> optax.Params:
             "jaxscale.master_weights(...)"
             + (", or the sub-state that holds the one you mean" if found else "")
         )
-    return _with_masters(_values(found[0].masters), _values(params))
+    return _with_masters(values_of(found[0].masters), values_of(params))

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 
 def is_variable(node: Any) -> bool:
     """Whether ``node`` is a ``flax.nnx.Variable``: a value behind ``get_value`` with metadata."""
@@ -47,3 +49,18 @@ def holding(variable: Any, value: Any, *, out_sharding: Any = None) -> Any:
     if out_sharding is None:
         return variable.copy(value)
     return variable.copy(value, out_sharding=tuple(out_sharding))
+
+
+def values_of(tree: Any) -> Any:
+    """``tree`` with each variable replaced by the array it holds."""
+    return jax.tree.map(value_of, tree, is_leaf=is_variable)
+
+
+def held_like(like: Any, tree: Any) -> Any:
+    """``tree`` (``like``'s structure, arrays where ``like`` has variables) with each
+    array put into a copy of the variable ``like`` has there: a transform that computes
+    on :func:`values_of` its arguments returns the trees it was given. (Parameters
+    split from a Flax NNX model, ``nnx.split(model, nnx.Param, ...)``, hold each array
+    in a variable, and so do the gradients taken of them and the state ``init`` made
+    from them.)"""
+    return jax.tree.map(holding, like, tree, is_leaf=is_variable)
