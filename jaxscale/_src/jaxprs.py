@@ -503,11 +503,28 @@ def iota_parameters(eqn: Any) -> tuple[int, tuple[int, ...], np.dtype] | None:
     return int(params["dimension"]), shape, np.dtype(params["dtype"])
 
 
-def filled_value(equations: Sequence[Any], var: Any) -> np.ndarray | None:
-    """The one value every element of ``var`` holds when ``equations`` make it by
-    broadcasting (and converting) a literal, as ``jnp.zeros`` and ``jnp.full`` do;
-    ``None`` for anything else. ``equations`` is a flattened program's."""
+def initial_values(
+    invars: Sequence[Any], outvars: Sequence[Any], equations: Sequence[Any]
+) -> list[tuple[np.ndarray | None, bool]]:
+    """For each of ``outvars`` of a flattened program (an optimizer's ``init``): the one
+    value every element holds when the program makes it by broadcasting (and converting)
+    a literal, as ``jnp.zeros`` and ``jnp.full`` do, else ``None``; and whether it is one
+    of ``invars``, as it is or through conversions and copies (a state that starts as
+    the parameters themselves)."""
     producers = {out: eqn for eqn in equations for out in eqn.outvars if is_variable(out)}
+    inputs = set(invars)
+    return [
+        (_filled_value(producers, var), _passed_through(producers, var, inputs))
+        if is_variable(var)
+        else (None, False)
+        for var in outvars
+    ]
+
+
+_COPIES = ("convert_element_type", "copy", "copy_p")
+
+
+def _filled_value(producers: Mapping[Any, Any], var: Any) -> np.ndarray | None:
     atom = var
     conversions = []
     while is_variable(atom):
@@ -517,7 +534,7 @@ def filled_value(equations: Sequence[Any], var: Any) -> np.ndarray | None:
         name = eqn.primitive.name
         if name == "broadcast_in_dim" and not eqn.invars[0].aval.shape:
             atom = eqn.invars[0]
-        elif name in ("convert_element_type", "copy", "copy_p"):
+        elif name in _COPIES:
             if name == "convert_element_type":
                 conversions.append(eqn.params["new_dtype"])
             atom = eqn.invars[0]
@@ -527,6 +544,18 @@ def filled_value(equations: Sequence[Any], var: Any) -> np.ndarray | None:
     for dtype in reversed(conversions):
         value = value.astype(dtype)
     return np.asarray(value.astype(var.aval.dtype))
+
+
+def _passed_through(producers: Mapping[Any, Any], var: Any, inputs: set[Any]) -> bool:
+    atom = var
+    while is_variable(atom):
+        if atom in inputs:
+            return True
+        eqn = producers.get(atom)
+        if eqn is None or eqn.primitive.name not in _COPIES:
+            return False
+        atom = eqn.invars[0]
+    return False
 
 
 def identity_primitive(name: str) -> Any:

@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxscale._src.jaxprs import filled_value, flattened_program
-from jaxscale._src.jaxprs import is_variable as is_variable_atom
+from jaxscale._src.jaxprs import flattened_program, initial_values
 from jaxscale._src.validation import dtype_name
 from jaxscale.optim._blockwise import (
     BlockLayout,
@@ -50,6 +49,16 @@ BFLOAT16 = np.dtype(jnp.bfloat16)
 SMALLEST_QUANTIZED = 4096
 # optax's names for second moments, which torchao stores with the unsigned map
 SECOND_MOMENTS = ("nu", "nu_max")
+
+
+def _signed_nu() -> tuple[type, ...]:
+    """optax states whose ``nu`` is not a second moment and can be negative: SM3's is
+    its momentum, Sophia's an estimate of the Hessian's diagonal."""
+    names = [(optax, "ScaleBySM3State"), (getattr(optax, "contrib", None), "SophiaState")]
+    return tuple(getattr(module, name) for module, name in names if hasattr(module, name))
+
+
+_SIGNED_NU = _signed_nu()
 
 
 def _parameter_side() -> dict[type, str | None]:
@@ -120,8 +129,10 @@ def low_precision_state(
       learning rates and other hyperparameters), rounded to nearest even.
     * ``"float8_e4m3fn"``: torchao's ``OptimStateFp8``; ``"int8"``: torchao's
       ``OptimState8bit``; ``"int4"``: torchao's ``OptimState4bit``. The integer formats
-      use the unsigned map for second moments (optax's ``nu`` and ``nu_max`` fields,
-      torchao's ``exp_avg_sq``) and the signed map for the rest. As in torchao, only
+      use the unsigned map for second moments (the ``nu`` and ``nu_max`` fields of
+      optax's states, torchao's ``exp_avg_sq``; not SM3's ``nu``, its momentum, nor
+      Sophia's, a Hessian estimate, which can be negative) and the signed map for the
+      rest. As in torchao, only
       floating leaves of at least 4,096 elements whose size is a multiple of
       ``block_size`` are quantized, one float32 scale per block; the others stay as
       ``inner`` made them. With ``partial_blocks=True`` every floating leaf of at
@@ -137,7 +148,10 @@ def low_precision_state(
     names the leaf. Master copies and Kahan compensation buffers of jaxscale's
     transforms inside ``inner`` are parameters, not statistics, and are left as they
     are; so are the gradients ``optax.MultiSteps`` and ``optax.apply_every`` accumulate
-    and schedule-free's ``z`` (their wrapped optimizer's state is narrowed).
+    and schedule-free's ``z`` (their wrapped optimizer's state is narrowed), and every
+    leaf ``inner.init`` returns as a parameter it was given (Prodigy's ``params0``,
+    DoG's ``init_params``, COCOB's ``init_particles``, MADGRAD's and Mechanic's
+    ``x0``): the starting point those optimizers measure their distance from.
 
     Memory. Where ``inner``'s update is elementwise in its arrays (Adam, AdamW, SGD with
     momentum, Lion, RMSProp and the like, with any scalar schedule or global gradient-
@@ -196,11 +210,12 @@ def low_precision_state(
         layout = block_layout(leaf.shape, size, partial_blocks=partial_blocks)
         return layout if quantizable(layout, fmt) else None
 
-    def store(path: tuple[Any, ...], node: Any, fill: np.ndarray | None) -> Any:
+    def store(path: tuple[Any, ...], node: Any, origin: _Origin, unsigned: set) -> Any:
         # a leaf of Flax NNX's state arrives in a variable: the variables go inside a
         # BlockQuantized, which Flax then updates field by field (see _variables)
         leaf = value_of(node)
-        if not _is_floating_array(leaf):
+        fill, parameters = origin
+        if not _is_floating_array(leaf) or parameters:
             return node
         if fmt is BFLOAT16:
             if not leaf.ndim:
@@ -210,7 +225,7 @@ def low_precision_state(
         layout = layout_of(leaf)
         if layout is None:
             return node
-        slot = Slot("blocks", fmt=fmt, layout=layout, signed=_signed(path))
+        slot = Slot("blocks", fmt=fmt, layout=layout, signed=path not in unsigned)
         if fill is None:
             codes, scale = quantize_blockwise(
                 leaf, fmt.name, block_size=size, signed=slot.signed, partial_blocks=partial_blocks
@@ -221,11 +236,11 @@ def low_precision_state(
             holding(node, codes), holding(node, scale, out_sharding=_scale_sharding(node, layout))
         )
 
-    def slot_of(path: tuple[Any, ...], stored: Any) -> Slot:
+    def slot_of(path: tuple[Any, ...], stored: Any, unsigned: set) -> Slot:
         if isinstance(stored, BlockQuantized):
             shape = value_shape(np.shape(value_of(stored.codes)), fmt)
             layout = block_layout(shape, size, partial_blocks=partial_blocks)
-            return Slot("blocks", fmt=fmt, layout=layout, signed=_signed(path))
+            return Slot("blocks", fmt=fmt, layout=layout, signed=path not in unsigned)
         leaf = value_of(stored)
         if fmt is BFLOAT16 and _is_floating_array(leaf) and leaf.dtype == BFLOAT16 and leaf.ndim:
             return Slot("cast", dtype=BFLOAT16)
@@ -234,12 +249,17 @@ def low_precision_state(
     def init_fn(params: optax.Params) -> LowPrecisionState:
         state = inner.init(params)
         leaves = jax.tree.leaves(state)
-        fills = dict(zip(map(id, leaves), _constant_fills(inner.init, params), strict=True))
+        origins = dict(zip(map(id, leaves), _init_origins(inner.init, params), strict=True))
+        unsigned = _second_moment_paths(state)
         stored = _statistics_map(
-            lambda path, node: store(path, node, fills.get(id(value_of(node)))), state
+            lambda path, node: store(
+                path, node, origins.get(id(value_of(node)), (None, False)), unsigned
+            ),
+            state,
         )
         if fmt is not BFLOAT16:
-            _warn_if_nothing_quantized(stored, fmt.name, size)
+            starts = {key for key, (_, parameters) in origins.items() if parameters}
+            _warn_if_nothing_quantized(stored, fmt.name, size, starts)
         return LowPrecisionState(stored)
 
     def update_fn(
@@ -251,7 +271,8 @@ def low_precision_state(
         # computed on the arrays alone, the results put back into the variables that
         # held the gradients and the old state (held_like)
         stored = values_of(state.inner_state)
-        slots = _slot_tree(slot_of, stored)
+        unsigned = _second_moment_paths(stored)
+        slots = _slot_tree(lambda path, leaf: slot_of(path, leaf, unsigned), stored)
 
         def update(updates: Any, wide_state: Any, params: Any) -> Any:
             return inner.update(updates, wide_state, params, **extra_args)
@@ -266,9 +287,12 @@ def low_precision_state(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _warn_if_nothing_quantized(stored: Any, name: str, block_size: int) -> None:
+def _warn_if_nothing_quantized(
+    stored: Any, name: str, block_size: int, starting_points: set[int]
+) -> None:
     """A warning when leaves large enough to quantize were all left as they are because
-    ``block_size`` divides none of them (a ``block_size`` chosen for other shapes)."""
+    ``block_size`` divides none of them (a ``block_size`` chosen for other shapes); the
+    parameters an optimizer keeps as its starting point (by ``id``) are not counted."""
     is_stored = lambda node: isinstance(node, BlockQuantized)  # noqa: E731
     leaves = jax.tree.leaves(stored, is_leaf=is_stored)
     if any(is_stored(leaf) for leaf in leaves):
@@ -276,7 +300,9 @@ def _warn_if_nothing_quantized(stored: Any, name: str, block_size: int) -> None:
     left = [
         leaf
         for leaf in leaves
-        if _is_floating_array(value_of(leaf)) and np.size(value_of(leaf)) >= SMALLEST_QUANTIZED
+        if _is_floating_array(value_of(leaf))
+        and np.size(value_of(leaf)) >= SMALLEST_QUANTIZED
+        and id(value_of(leaf)) not in starting_points
     ]
     if left:
         warnings.warn(
@@ -317,16 +343,23 @@ def _filled(slot: Slot, fill: np.ndarray) -> tuple[jax.Array, jax.Array]:
     return jnp.full(shape, codes[0, 0]), jnp.full(layout.scale_shape, scale[0, 0])
 
 
-def _constant_fills(init: Any, params: Any) -> list[np.ndarray | None]:
-    """For each leaf of ``init(params)`` (in flattening order), the one constant ``init``
-    fills it with (``jnp.zeros_like``), or ``None``; read from ``init``'s traced program."""
+# how ``init`` made a state leaf: the one constant it filled it with (or None), and
+# whether it is one of the parameters themselves
+_Origin = tuple[np.ndarray | None, bool]
+
+
+def _init_origins(init: Any, params: Any) -> list[_Origin]:
+    """For each leaf of ``init(params)`` (in flattening order): the one constant ``init``
+    fills it with (``jnp.zeros_like``) or ``None``, and whether it is a parameter as it
+    was passed (Prodigy's ``params0``, DoG's ``init_params``, MADGRAD's and Mechanic's
+    ``x0``): read from ``init``'s traced program."""
 
     def flat_init(params: Any) -> list[Any]:
         return jax.tree.leaves(init(params))
 
     closed = jax.make_jaxpr(flat_init)(params)
-    _, outvars, equations, _ = flattened_program(closed)
-    return [filled_value(equations, var) if is_variable_atom(var) else None for var in outvars]
+    invars, outvars, equations, _ = flattened_program(closed)
+    return initial_values(invars, outvars, equations)
 
 
 def _scale_sharding(node: Any, layout: BlockLayout) -> tuple[Any, ...] | None:
@@ -341,21 +374,23 @@ def _scale_sharding(node: Any, layout: BlockLayout) -> tuple[Any, ...] | None:
     return (*names[:k], last)
 
 
-def _slot_tree(slot_of: Any, stored: Any) -> Any:
-    """A :class:`Slot` for each stored leaf: as ``slot_of`` says for the statistics, as is
-    for the parameter side of the states in ``_PARAMETER_SIDE``."""
+def _slot_tree(slot_of: Any, stored: Any, path: tuple[Any, ...] = ()) -> Any:
+    """A :class:`Slot` for each stored leaf: as ``slot_of(path, leaf)`` says for the
+    statistics, as is for the parameter side of the states in ``_PARAMETER_SIDE``."""
 
     def is_leaf(node: Any) -> bool:
         return isinstance(node, (BlockQuantized, *_PARAMETER_TYPES))
 
-    def visit(path: tuple[Any, ...], node: Any) -> Any:
+    def visit(subpath: tuple[Any, ...], node: Any) -> Any:
         if not isinstance(node, _PARAMETER_TYPES):
-            return slot_of(path, node)
+            return slot_of(path + subpath, node)
         inner = _inner_field(node)
         fields = {
             name: jax.tree.map(lambda _: AS_IS, getattr(node, name))
             if name != inner
-            else _slot_tree(slot_of, getattr(node, name))
+            else _slot_tree(
+                slot_of, getattr(node, name), path + subpath + (jax.tree_util.GetAttrKey(name),)
+            )
             for name in node._fields
         }
         return node._replace(**fields)
@@ -368,9 +403,36 @@ def _is_floating_array(leaf: Any) -> bool:
     return dtype is not None and bool(jnp.issubdtype(dtype, jnp.floating))
 
 
-def _signed(path: tuple[Any, ...]) -> bool:
-    names = {getattr(key, "name", getattr(key, "key", None)) for key in path}
-    return not names & set(SECOND_MOMENTS)
+def _second_moment_paths(state: Any) -> set[tuple[Any, ...]]:
+    """The paths of the leaves (a :class:`BlockQuantized` or a variable counts as one)
+    that lie in a second-moment field of an optax state (``SECOND_MOMENTS``, but in the
+    states of ``_SIGNED_NU``): the leaves the integer formats store with the unsigned
+    map. A field is a state's own (a dict entry named ``"nu"``, a parameter's name, is
+    not one); the state types are found as the tree is walked."""
+    found: set[tuple[Any, ...]] = set()
+
+    def is_terminal(node: Any) -> bool:
+        if isinstance(node, BlockQuantized) or is_variable(node):
+            return True
+        return jax.tree_util.treedef_is_leaf(jax.tree.structure(node))
+
+    def visit(path: tuple[Any, ...], node: Any, unsigned: bool) -> None:
+        if is_terminal(node):
+            if unsigned:
+                found.add(path)
+            return
+        fields = isinstance(node, tuple) and hasattr(node, "_fields")
+        children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+        for keys, child in children:
+            second = (
+                fields
+                and getattr(keys[0], "name", None) in SECOND_MOMENTS
+                and not isinstance(node, _SIGNED_NU)
+            )
+            visit(path + tuple(keys), child, unsigned or second)
+
+    visit((), state, False)
+    return found
 
 
 def _statistics_map(fn: Any, state: Any, path: tuple[Any, ...] = ()) -> Any:

@@ -768,6 +768,117 @@ def test_accumulated_gradients_and_schedule_free_iterates_are_not_narrowed(dtype
     )
 
 
+STARTING_POINTS = {
+    # optimizers that keep the parameters they started from, and where
+    "prodigy": (lambda: optax.contrib.prodigy(1.0), lambda s: s.params0),
+    "dog": (lambda: optax.contrib.dog(1.0), lambda s: s[1].init_params),
+    "dowg": (lambda: optax.contrib.dowg(1.0), lambda s: s[1].init_params),
+    "cocob": (lambda: optax.contrib.cocob(), lambda s: s[2].init_particles),
+    "madgrad": (lambda: optax.contrib.madgrad(1e-2), lambda s: s[1].x0),
+    "mechanize": (lambda: optax.contrib.mechanize(adamw()), lambda s: s.x0),
+}
+
+
+@pytest.mark.parametrize("name", list(STARTING_POINTS))
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_the_parameters_an_optimizer_started_from_are_kept_as_they_are(name, dtype):
+    # Prodigy, DoG, MADGRAD and the like measure the distance travelled from the starting
+    # parameters: rounded to 8 bits, a starting point moves (Prodigy then stepped 1,000
+    # times further than optax's in its first steps)
+    make, starting_point = STARTING_POINTS[name]
+    params = {"w": jnp.asarray(RNG_STEPS[-1] / 10, F32)}
+    tx = jaxscale.low_precision_state(third_party.optimizer(make()), dtype)
+    for init in (tx.init, jax.jit(tx.init)):
+        state = init(params).inner_state
+        kept = starting_point(state)["w"]
+        assert kept.dtype == F32
+        np.testing.assert_array_equal(kept, params["w"])
+        quantized = lambda n: isinstance(n, jaxscale.BlockQuantized)  # noqa: E731
+        narrowed = [
+            leaf
+            for leaf in jax.tree.leaves(state, is_leaf=quantized)
+            if quantized(leaf) or getattr(leaf, "dtype", None) == BF16
+        ]
+        assert narrowed or name in ("dog", "dowg"), "the statistics are still narrowed"
+    updated = jax.jit(tx.update)({"w": jnp.asarray(RNG_STEPS[0], F32)}, tx.init(params), params)
+    np.testing.assert_array_equal(starting_point(updated[1].inner_state)["w"], params["w"])
+
+
+def regression_loss(params, index):
+    """A small regression's loss on batch ``index``: gradients of a real loss's sizes."""
+    x = jnp.asarray(RNG_STEPS[index][:32], F32)
+    return jnp.mean((jnp.tanh(x @ params["w"].T) - 0.5) ** 2)
+
+
+def test_prodigys_step_size_estimate_follows_optaxs_with_bfloat16_state():
+    # with the starting point rounded, Prodigy read the rounding as distance travelled:
+    # its estimate d grew to 2.7x optax's in two steps (16x in one with 8-bit state)
+    params = {"w": jnp.asarray(RNG_STEPS[-1] / 10, F32)}
+    exact = third_party.optimizer(optax.contrib.prodigy(1.0))
+    tx = jaxscale.low_precision_state(third_party.optimizer(optax.contrib.prodigy(1.0)), BF16)
+    state, exact_state, p, exact_p = tx.init(params), exact.init(params), params, params
+    for index in range(4):
+        updates, state = jax.jit(tx.update)(jax.grad(regression_loss)(p, index), state, p)
+        exact_grads = jax.grad(regression_loss)(exact_p, index)
+        exact_updates, exact_state = jax.jit(exact.update)(exact_grads, exact_state, exact_p)
+        p, exact_p = apply(p, updates), apply(exact_p, exact_updates)
+        assert state.inner_state.estim_lr == exact_state.estim_lr, index
+        error = jnp.linalg.norm(updates["w"] - exact_updates["w"])
+        assert error < 0.01 * jnp.linalg.norm(exact_updates["w"]), index
+
+
+def test_a_parameter_named_nu_keeps_a_signed_first_moment():
+    # the unsigned map is for optax's second-moment fields, not for a parameter that
+    # happens to share their name: two identical parameters step alike, whatever their names
+    w = jnp.asarray(RNG_STEPS[-1] / 10, F32)
+    params = {"nu": w, "w": w}
+    tx = jaxscale.low_precision_state(adamw(), "int8")
+    state = tx.init(params)
+    for index in range(3):
+        grads = {"nu": jnp.asarray(RNG_STEPS[index], F32), "w": jnp.asarray(RNG_STEPS[index], F32)}
+        updates, state = jax.jit(tx.update)(grads, state, params)
+        np.testing.assert_array_equal(updates["nu"], updates["w"])
+    mu, nu = state.inner_state[0].mu, state.inner_state[0].nu
+    np.testing.assert_array_equal(mu["nu"].codes, mu["w"].codes)
+    np.testing.assert_array_equal(nu["nu"].codes, nu["w"].codes)
+
+
+def momentum_error(state_of, stored, exact):
+    """The relative error of a stored leaf read with the signed map, against optax's."""
+    leaf = state_of(stored)["w"]
+    read = jaxscale.dequantize_blockwise(leaf.codes, leaf.scale, "int8", signed=True)
+    expected = state_of(exact)["w"]
+    return float(jnp.linalg.norm(read - expected) / jnp.linalg.norm(expected))
+
+
+def test_sm3_and_sophia_keep_their_signed_nu_signed():
+    # SM3's nu is its momentum, Sophia's an estimate of the Hessian's diagonal: both take
+    # negative values, which the unsigned map would store as zero
+    params = {"w": jnp.asarray(RNG_STEPS[-1] / 10, F32)}
+
+    def loss(params):
+        return regression_loss(params, 1)
+
+    cases = {
+        "sm3": (lambda: optax.sm3(1e-2, momentum=0.9), lambda s: s[0].nu, {}),
+        "sophia": (
+            lambda: optax.contrib.sophia(1e-2, update_interval=1),
+            lambda s: s[0].nu,
+            {"obj_fn": loss},
+        ),
+    }
+    for name, (make, state_of, extra) in cases.items():
+        exact = third_party.optimizer(make())
+        tx = jaxscale.low_precision_state(third_party.optimizer(make()), "int8")
+        state, exact_state = tx.init(params), exact.init(params)
+        for _ in range(3):
+            grads = jax.grad(loss)(params)
+            state = tx.update(grads, state, params, **extra)[1]
+            exact_state = exact.update(grads, exact_state, params, **extra)[1]
+        assert float(jnp.mean(state_of(exact_state)["w"] < 0)) > 0.1, name
+        assert momentum_error(state_of, state.inner_state, exact_state) < 0.03, name
+
+
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn", "int4"])
 def test_a_state_the_update_leaves_as_it_was_is_stored_as_it_was(dtype):
     # quantizing a block's dequantized values again need not give its codes and scale back
