@@ -129,7 +129,10 @@ def master_weights(
         def widened(grad: Any) -> Any:
             return grad.astype(master_dtype)
 
-        grads = map_with_optional(lambda m, g: g if m is None else widened(g), masters, updates)
+        if _mirrors(masters, updates):
+            grads = map_with_optional(lambda m, g: g if m is None else widened(g), masters, updates)
+        else:  # gradients of part of the parameters (optax.lookahead's of its fast ones)
+            grads = jax.tree.map(lambda g: widened(g) if kept(g) else g, updates)
 
         def step(inner_updates: Any, masters: Any) -> tuple[Any, Any]:
             """The new masters, and each new parameter (``inner``'s update for a parameter
@@ -175,6 +178,15 @@ def master_weights(
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _mirrors(masters: Any, updates: Any) -> bool:
+    """Whether ``updates`` has the parameters' structure (``masters`` has ``None`` where
+    a parameter has no master)."""
+    is_none = lambda node: node is None  # noqa: E731
+    wanted: Any = jax.tree.structure(masters, is_leaf=is_none)  # (a PyTreeDef)
+    given = jax.tree.structure(jax.tree.map(lambda _: None, updates), is_leaf=is_none)
+    return bool(wanted == given)
 
 
 def _require_wider(params: Any, dtype: np.dtype) -> None:

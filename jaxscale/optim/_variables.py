@@ -62,5 +62,9 @@ def held_like(like: Any, tree: Any) -> Any:
     on :func:`values_of` its arguments returns the trees it was given. (Parameters
     split from a Flax NNX model, ``nnx.split(model, nnx.Param, ...)``, hold each array
     in a variable, and so do the gradients taken of them and the state ``init`` made
-    from them.)"""
+    from them.) Where ``like`` holds no variable, ``tree`` is returned as it is, whatever
+    its structure: an optimizer's updates need not mirror its gradients
+    (``optax.lookahead`` returns fast and slow updates for the fast gradients)."""
+    if not any(is_variable(leaf) for leaf in jax.tree.leaves(like, is_leaf=is_variable)):
+        return tree
     return jax.tree.map(holding, like, tree, is_leaf=is_variable)

@@ -827,6 +827,59 @@ def test_prodigys_step_size_estimate_follows_optaxs_with_bfloat16_state():
         assert error < 0.01 * jnp.linalg.norm(exact_updates["w"]), index
 
 
+def lookahead():
+    return third_party.optimizer(optax.lookahead(optax.adam(1e-2), 2, 0.5))
+
+
+LOOKAHEAD_CASES = {
+    "low_precision_state bfloat16": (F32, lambda: jaxscale.low_precision_state(lookahead())),
+    "low_precision_state int8": (F32, lambda: jaxscale.low_precision_state(lookahead(), "int8")),
+    "grad_scaler": (
+        F32, lambda: jaxscale.grad_scaler(jaxscale.low_precision_state(lookahead(), "int8"))
+    ),
+    "master_weights": (BF16, lambda: jaxscale.master_weights(lookahead())),
+    "stochastic_rounding": (
+        BF16, lambda: jaxscale.stochastic_rounding(lookahead(), key=jax.random.key(0))
+    ),
+    "kahan_summation": (BF16, lambda: jaxscale.kahan_summation(lookahead())),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(LOOKAHEAD_CASES))
+def test_lookahead_whose_updates_are_not_shaped_as_its_gradients_steps_inside(name):
+    # optax.lookahead steps LookaheadParams (fast and slow) from the fast ones' gradients:
+    # the transforms that put their results back into the gradients' structure raised
+    dtype, make = LOOKAHEAD_CASES[name]
+    fast = {"w": jnp.asarray(RNG_STEPS[-1] / 10, BF16).astype(dtype)}
+    params = optax.LookaheadParams.init_synced(fast)
+    exact_params = jax.tree.map(lambda p: p.astype(F32), params)
+    tx, exact = make(), lookahead()
+    state, exact_state = tx.init(params), exact.init(exact_params)
+    for index in range(4):
+        grads = {"w": jnp.asarray(RNG_STEPS[index], dtype)}
+        scale = jaxscale.get_scale(state) if name == "grad_scaler" else 1  # (a scaled loss's)
+        scaled = {"w": grads["w"] * jnp.asarray(scale, dtype)}
+        updates, state = jax.jit(tx.update)(scaled, state, params)
+        exact_updates, exact_state = exact.update(
+            jax.tree.map(lambda g: g.astype(F32), grads), exact_state, exact_params
+        )
+        params, exact_params = apply(params, updates), apply(exact_params, exact_updates)
+    assert {p.dtype for p in jax.tree.leaves(params)} == {jnp.dtype(dtype)}
+    moved = jnp.max(jnp.abs(exact_params.slow["w"] - fast["w"].astype(F32)))
+    if name == "master_weights":  # the masters follow float32's steps
+        got = jaxscale.master_params(state, params)
+        np.testing.assert_allclose(got.slow["w"], exact_params.slow["w"], rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(got.fast["w"], exact_params.fast["w"], rtol=1e-6, atol=1e-7)
+    # bfloat16 parameters: each step rounds to the parameter's precision (a stochastic
+    # rounding may land an ulp further), so a few ulps of the largest apart
+    largest = float(jnp.max(jnp.abs(exact_params.slow["w"])))
+    bound = 0.1 * moved if dtype == F32 else 4 * 2.0 ** (np.floor(np.log2(largest)) - 7)
+    for part in ("slow", "fast"):
+        error = jnp.max(jnp.abs(getattr(params, part)["w"].astype(F32) - getattr(
+            exact_params, part)["w"]))  # fmt: skip
+        assert error <= bound, (part, float(error), float(moved))
+
+
 def test_a_parameter_named_nu_keeps_a_signed_first_moment():
     # the unsigned map is for optax's second-moment fields, not for a parameter that
     # happens to share their name: two identical parameters step alike, whatever their names
