@@ -465,8 +465,8 @@ def dequantize_blockwise(
         gives it otherwise).
 
     Raises:
-      ValueError: for another ``dtype``, a ``scale`` that does not fit ``codes``, or no
-        ``signed`` for an integer format.
+      ValueError: for another ``dtype``, codes of another dtype than the format's, a
+        ``scale`` that does not fit ``codes``, or no ``signed`` for an integer format.
     """
     fmt = format_of(dtype)
     if signed is None:
@@ -478,6 +478,12 @@ def dequantize_blockwise(
             )
         signed = True
     codes, scale = jnp.asarray(codes), jnp.asarray(scale)
+    if codes.dtype != np.dtype(fmt.code_dtype):
+        # (float codes would be read as map indices, uint8 as float8 numbers: other values)
+        raise ValueError(
+            f"{fmt.name} codes are {np.dtype(fmt.code_dtype).name}, as quantize_blockwise "
+            f"returns them; got {codes.dtype.name} codes"
+        )
     shape = value_shape(codes.shape, fmt)
     layout = _layout_for(shape, scale, fmt, block_size)
     if layout is None or tuple(codes.shape) != codes_shape(shape, fmt):

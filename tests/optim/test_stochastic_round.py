@@ -188,6 +188,18 @@ def test_bad_arguments_are_named(kwargs, message):
             ),
             "one value per block",
         ),
+        (
+            lambda: jaxscale.dequantize_blockwise(
+                jnp.zeros(512, jnp.float32), jnp.ones(2), "int8", signed=True
+            ),
+            "int8 codes are uint8, as quantize_blockwise returns them; got float32 codes",
+        ),
+        (
+            lambda: jaxscale.dequantize_blockwise(
+                jnp.zeros(512, jnp.uint8), jnp.ones(2), jnp.float8_e4m3fn
+            ),
+            "float8_e4m3fn codes are float8_e4m3fn, .* got uint8 codes",
+        ),
     ],
 )
 def test_blockwise_errors_name_the_bad_value(call, message):
