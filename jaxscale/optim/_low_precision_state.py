@@ -47,8 +47,10 @@ from jaxscale.optim._wrapping import validated_inner
 BFLOAT16 = np.dtype(jnp.bfloat16)
 # torchao (after bitsandbytes) quantizes only tensors of at least this many elements
 SMALLEST_QUANTIZED = 4096
-# optax's names for second moments, which torchao stores with the unsigned map
-SECOND_MOMENTS = ("nu", "nu_max")
+# the fields of optax's states that hold second moments (sums and averages of squares),
+# which torchao stores with the unsigned map: the Adam family's nu and nu_max, the name
+# torchao gives them (Prodigy's, D-Adaptation's and MoMo-Adam's), Adagrad's and MADGRAD's
+SECOND_MOMENTS = ("nu", "nu_max", "exp_avg_sq", "sum_of_squares", "grad_sum_sq")
 
 
 def _signed_nu() -> tuple[type, ...]:
@@ -129,10 +131,10 @@ def low_precision_state(
       learning rates and other hyperparameters), rounded to nearest even.
     * ``"float8_e4m3fn"``: torchao's ``OptimStateFp8``; ``"int8"``: torchao's
       ``OptimState8bit``; ``"int4"``: torchao's ``OptimState4bit``. The integer formats
-      use the unsigned map for second moments (the ``nu`` and ``nu_max`` fields of
-      optax's states, torchao's ``exp_avg_sq``; not SM3's ``nu``, its momentum, nor
-      Sophia's, a Hessian estimate, which can be negative) and the signed map for the
-      rest. As in torchao, only
+      use the unsigned map for second moments (the fields of optax's states named
+      ``nu``, ``nu_max``, ``exp_avg_sq``, ``sum_of_squares`` and ``grad_sum_sq``; not
+      SM3's ``nu``, its momentum, nor Sophia's, a Hessian estimate, which can be
+      negative) and the signed map for the rest. As in torchao, only
       floating leaves of at least 4,096 elements whose size is a multiple of
       ``block_size`` are quantized, one float32 scale per block; the others stay as
       ``inner`` made them. With ``partial_blocks=True`` every floating leaf of at
