@@ -40,8 +40,8 @@ from jaxscale.casting._state_writes import state_writes_marked
 
 # the sums each matmul's probe collects: squared error and squared reference of the
 # output, the input's gradient and the weight's; the forward operands' values flushed to
-# zero, saturated, and not zero to begin with
-_STATS = 9
+# zero, saturated, and not zero to begin with; how many times it ran
+_STATS = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,8 @@ class MatmulError:
       flops: the matmul's share of the step's matmul FLOPs (its forward and two
         backward matmuls; in nested scans, every iteration; all ``dot_general``\\ s
         counted).
+      ran: whether the step ran it: a matmul in a ``lax.cond`` branch the step did not
+        take was not measured, and its figures are zeros.
     """
 
     site: MatmulSite
@@ -70,6 +72,7 @@ class MatmulError:
     flushed: float
     saturated: float
     flops: float
+    ran: bool = True
 
     @property
     def error(self) -> float:
@@ -139,11 +142,13 @@ class Float8Report:
                  "flushed", "saturated", "FLOPs", "proposal"]]  # fmt: skip
         chosen = {id(m) for m in self.kept}
         for m in self.matmuls:
-            rows.append([
-                _label(m.site), "x".join(str(d) for d in m.site.dims),
+            figures = [
                 f"{100 * m.output:.2f}%", f"{MatmulError.sqnr_db(m.output):.1f} dB",
                 f"{100 * m.input_grad:.2f}%", f"{100 * m.weight_grad:.2f}%",
                 f"{100 * m.flushed:.2f}%", f"{100 * m.saturated:.2f}%",
+            ] if m.ran else ["not run"] * 6  # fmt: skip
+            rows.append([
+                _label(m.site), "x".join(str(d) for d in m.site.dims), *figures,
                 f"{100 * m.flops:.1f}%", "keep" if id(m) in chosen else self.recipe,
             ])  # fmt: skip
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -296,6 +301,7 @@ def float8_report(
             flushed=float(row[6] / row[8]) if row[8] else 0.0,
             saturated=float(row[7] / row[8]) if row[8] else 0.0,
             flops=flops / total if total else 0.0,
+            ran=bool(row[9] > 0),
         )
         for (site, flops), row in zip(sites, sums, strict=True)
     )
@@ -356,6 +362,8 @@ def _hook(
     def hook(autocaster: Autocaster, eqn: Any, invals: list[Any]) -> Any:
         lhs, rhs = invals
         dims = dot_dimension_numbers(eqn)
+        if autocaster.shape_pass:  # (traced for its types alone: nothing to count)
+            return _reference(lhs, rhs, dims) if autocaster.runs_in_float8(eqn) else None
         if not autocaster.runs_in_float8(eqn):
             if sites is not None:
                 other_flops[0] += _batched_flops(lhs.shape, rhs.shape, dims) * autocaster.repeats
@@ -457,7 +465,7 @@ def _measured(lhs: jax.Array, rhs: jax.Array, probe: jax.Array, dims: Any, recip
         a_error = jnp.stack(_squares(ours_a, grad_a.astype(jnp.float32)))
         b_error = jnp.stack(_squares(ours_b, grad_b.astype(jnp.float32)))
         weight, other = (a_error, b_error) if weight_on_left else (b_error, a_error)
-        figures = jnp.concatenate([output_error, other, weight, counts])
+        figures = jnp.concatenate([output_error, other, weight, counts, jnp.ones(1)])
         return grad_a.astype(a.dtype), grad_b.astype(b.dtype), figures
 
     product.defvjp(forward, backward)

@@ -317,7 +317,7 @@ def _cond(autocaster: Autocaster, eqn: Any, invals: list[Any], in_tags: list[Tag
 
     # Branches must agree on their outputs' types: each output takes the widest
     # dtype any branch gives it.
-    shapes = [jax.eval_shape(branch_fn(b), *operands) for b in branches]
+    shapes = [autocaster.shapes_of(branch_fn(b), *operands) for b in branches]
     targets = []
     for outputs in zip(*shapes, strict=True):
         target = outputs[0].dtype
@@ -358,7 +358,7 @@ def _custom_jvp(autocaster: Autocaster, eqn: Any, invals: list[Any],
 
     @_in_custom_rule(autocaster)
     def jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-        out_shapes = jax.eval_shape(primal, *primals)
+        out_shapes = autocaster.shapes_of(primal, *primals)
         if not wants_symbolic_zeros:
             tangents = [_instantiate(t) for t in tangents]
         (_, rule), _ = bind_protocol(eqn)
@@ -406,7 +406,7 @@ def _custom_vmap(autocaster: Autocaster, eqn: Any, invals: list[Any],
     def function(*args: Any) -> list[Any]:
         return autocaster.eval_in_place_of(call.jaxpr, call.consts, args, invals, in_tags)
 
-    out_dtypes = [shape.dtype for shape in jax.eval_shape(function, *invals)]
+    out_dtypes = [shape.dtype for shape in autocaster.shapes_of(function, *invals)]
     rebuilt = jax.custom_batching.custom_vmap(function)
 
     @rebuilt.def_vmap
@@ -477,7 +477,7 @@ def _custom_vjp(autocaster: Autocaster, eqn: Any, invals: list[Any],
         for f in forwarded:
             residuals.append(next(computed_values) if f is None else values[f])
             residual_avals.append(next(computed_avals) if f is None else traced[f])
-        out_dtypes = [s.dtype for s in jax.eval_shape(primal, *values)]
+        out_dtypes = [s.dtype for s in autocaster.shapes_of(primal, *values)]
         facts = _BackwardFacts(
             tuple(residual_avals),
             tuple(np.dtype(_tangent_dtype(v.dtype)) for v in values),

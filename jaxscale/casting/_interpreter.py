@@ -283,6 +283,8 @@ class Autocaster:
         self.layer: tuple[int, int] | None = None
         # while a scan's body is probed for its matmuls: the sites met, none decided
         self.recording: list[MatmulSite] | None = None
+        # while a function is traced for its results' types alone (shapes_of)
+        self.shape_pass = False
         # how many times the equations being evaluated run per call (a scan's length)
         self.repeats = 1
         # with ``per_iteration`` set (jaxscale.float8_report), inside a scan: the traced
@@ -336,6 +338,18 @@ class Autocaster:
             origin = self.origin_of(old)
             if origin is not None:
                 self._origins[id(new)] = (new, origin)
+
+    def shapes_of(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``jax.eval_shape(fn, *args)`` for a function evaluated by this autocaster, as a
+        pass whose results are dropped (the types a ``cond``'s branches agree on): the
+        matmuls it meets are not counted (their sites' ``index`` and keys), recorded or
+        put to the float8 filter, and :attr:`matmul_hook` sees :attr:`shape_pass` set."""
+        count, recording, outer = self.site_count, self.recording, self.shape_pass
+        self.recording, self.shape_pass = None, True
+        try:
+            return jax.eval_shape(fn, *args)
+        finally:
+            self.site_count, self.recording, self.shape_pass = count, recording, outer
 
     def eval_in_place_of(
         self,
@@ -702,8 +716,8 @@ class Autocaster:
         scan is probed: records its site and lets none)."""
         self.site_count += 1
         keep = self.float8_filter
-        if keep is None and self.recording is None:
-            return True
+        if (keep is None and self.recording is None) or self.shape_pass:
+            return True  # (a pass for the results' types decides nothing: shapes_of)
         site = self.site(eqn, invals)
         if self.recording is not None or keep is None:
             if self.recording is not None:

@@ -160,6 +160,41 @@ def test_each_layer_of_a_scan_is_measured_apart_as_if_unrolled():
     assert dtypes == {("bfloat16", "bfloat16", "bfloat16"): 1, (f8, f8, "float32"): 3}, dtypes
 
 
+def test_a_conds_matmuls_are_measured_once_and_the_branch_not_taken_is_marked():
+    # autocast traces a cond's branches once more for the types they agree on: their
+    # matmuls were listed twice (four rows for two matmuls, two of them zeros) and the
+    # matmuls after the cond measured into other rows
+    ws = {"a": PARAMS["body"], "b": PARAMS["body"] * 2, "head": PARAMS["head"]}
+
+    def branched(ws, x):
+        h = jax.lax.cond(jnp.sum(x) > -1e9, lambda: x @ ws["a"], lambda: x @ ws["b"])
+        return jnp.mean(jnp.square(jnp.tanh(h) @ ws["head"]))
+
+    def straight(ws, x):
+        return jnp.mean(jnp.square(jnp.tanh(x @ ws["a"]) @ ws["head"]))
+
+    report = float8_report(branched, ws, X, recipe="rowwise")
+    assert [m.site.weight for m in report.matmuls] == ["[0]['b']", "[0]['a']", "[0]['head']"]
+    assert [m.ran for m in report.matmuls] == [False, True, True]
+    assert [m.site.index for m in report.matmuls] == [0, 1, 2]
+    assert report.table().splitlines()[1].split()[2:4] == ["not", "run"]
+    expected = float8_report(straight, ws, X, recipe="rowwise").matmuls
+    for ours, theirs in zip(report.matmuls[1:], expected, strict=True):
+        for field in ("output", "input_grad", "weight_grad", "flushed", "saturated"):
+            assert getattr(ours, field) == pytest.approx(getattr(theirs, field), rel=1e-5), field
+
+    # the filter is asked once about each matmul, and the indices count each once
+    asked = []
+
+    def spy(site):
+        asked.append(site.index)
+        return True
+
+    policy = jaxscale.autocast(branched, dtype=BF16, float8="rowwise", float8_filter=spy)
+    jax.grad(policy)(ws, X)
+    assert sorted(asked) == [0, 1, 2]
+
+
 def test_a_reversed_scan_names_each_layer_by_its_place_in_the_stack():
     ws = np.asarray(np.random.default_rng(2).normal(size=(4, 64, 64)) / 8, np.float32)
     ws[2, 0, 0] = 3e4
