@@ -12,7 +12,10 @@ small loop is compiled once per process and its temporaries measured.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,13 +46,34 @@ def slices_bfloat16_in_place() -> bool:
 
         return lax.fori_loop(0, _ROWS, body, array)
 
-    on_cpu = jax.device_put(np.zeros((_ROWS, _ROW), jnp.bfloat16), cpu)  # (4 KiB)
-    compiled = jax.jit(halve_each_row, donate_argnums=0).lower(on_cpu).compile()
+    with _without_a_mesh() as meshless:
+        if meshless:
+            probe: Any = jax.device_put(np.zeros((_ROWS, _ROW), jnp.bfloat16), cpu)  # (4 KiB)
+        else:  # (compiled for the devices of the mesh in context, a CPU's where it asks)
+            probe = jax.ShapeDtypeStruct((_ROWS, _ROW), jnp.bfloat16)
+        compiled = jax.jit(halve_each_row, donate_argnums=0).lower(probe).compile()
     analysis = compiled.memory_analysis()
     if analysis is None:
         return False
     # widened, the array would be a float32 temporary of twice its bytes
     return int(analysis.temp_size_in_bytes) < _ROWS * _ROW * 2
+
+
+@contextlib.contextmanager
+def _without_a_mesh() -> Iterator[bool]:
+    """Traces the probe with no mesh in context (a step traced under ``jax.set_mesh``
+    with explicit axes, or inside ``shard_map``, would type the probe's values with the
+    mesh's axes and its operands without them). Yields whether no mesh was in context,
+    so that the probe may be placed on a CPU device (under ``jax.set_mesh`` it is
+    compiled for the mesh's devices)."""
+    get_abstract_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    use_abstract_mesh = getattr(jax.sharding, "use_abstract_mesh", None)
+    meshless = get_abstract_mesh is None or not get_abstract_mesh().axis_names
+    if meshless or use_abstract_mesh is None:
+        yield meshless
+        return
+    with use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        yield meshless
 
 
 def loops_over_bfloat16() -> bool:

@@ -158,6 +158,25 @@ def block_layout(
     )
 
 
+def by_leading_axes(layout: BlockLayout, longest: int) -> BlockLayout:
+    """The same blocks read as rows of the tensor's leading axes (the axes its scales
+    keep), each row its trailing axes' blocks, where that gives two rows or more of at
+    most ``longest`` elements; else ``layout`` (a row per block). Row-major, the two
+    readings hold the same blocks in the same order; a loop over rows of the leading axes
+    keeps a tensor sharded along any of its trailing axes sharded as it is (a row per
+    block would cut across its shards), and one sharded along its first axis too."""
+    if layout.blocks_per_row != 1 or layout.row_length != layout.block_size:
+        return layout  # (already rows of the leading axes: partial blocks)
+    leading = len(layout.scale_shape) - 1
+    rows = math.prod(layout.shape[:leading])
+    row_length = math.prod(layout.shape[leading:])
+    if rows < 2 or row_length > longest:
+        return layout
+    return dataclasses.replace(
+        layout, rows=rows, row_length=row_length, blocks_per_row=row_length // layout.block_size
+    )
+
+
 def codes_shape(shape: tuple[int, ...], fmt: BlockFormat) -> tuple[int, ...]:
     """The stored codes' shape: the tensor's (``"int4"``: its last axis halved)."""
     if fmt.bits == 8:

@@ -56,6 +56,7 @@ from jaxscale.optim._blockwise import (
     BlockFormat,
     BlockLayout,
     block_layout,
+    by_leading_axes,
     dequantize_rows,
     quantize_rows,
 )
@@ -370,9 +371,11 @@ def _run_component(
     ]
     state_outputs = sorted(set(state_outputs) | set(narrowed))
     shape = tuple(outvars[count + narrowed[0]].aval.shape)
+    whole = block_layout(shape, 256, partial_blocks=True)  # (a state kept element by element)
+    assert whole is not None
     layout = next(
         (slots[i].layout for i in narrowed if slots[i].layout is not None),
-        block_layout(shape, 256, partial_blocks=True),
+        by_leading_axes(whole, CPU_SLICE),
     )
     assert layout is not None
     # what the loop carries: each state leaf's stored arrays
@@ -560,7 +563,45 @@ def _gradient_carriers(
     return found
 
 
-def _loop(
+def _loop(*arguments: Any) -> tuple[list[list[Any]], list[Any], Any]:
+    """:func:`_sliced_loop`; where it fails on arrays sharded along explicit mesh axes,
+    an error that says so and names the fix (JAX's sharding type errors come from
+    inside the loop)."""
+    try:
+        return _sliced_loop(*arguments)
+    except Exception as error:  # (JAX's sharding type errors have no public base class)
+        _, _, _, carried, _, _, other_values, *_ = arguments
+        explicit = _explicitly_sharded([a for _, stored in carried for a in stored], other_values)
+        if explicit is None:
+            raise
+        shape, spec = explicit
+        raise NotImplementedError(
+            "a state updated a slice at a time (low_precision_state; stochastic_rounding "
+            "and kahan_summation where the backend slices bfloat16 in place) does not yet "
+            f"run on arrays sharded along explicit mesh axes: an array of shape {shape} is "
+            f"sharded as {spec}. Make the mesh with automatic axes, jax.make_mesh(shape, "
+            "names, axis_types=(jax.sharding.AxisType.Auto,) * len(names)) or "
+            "jax.sharding.Mesh(devices, names), and place the arrays with NamedSharding as "
+            "before: each state leaf stays sharded with its parameter and the step "
+            "communicates nothing"
+        ) from error
+
+
+def _explicitly_sharded(*trees: Any) -> tuple[tuple[int, ...], Any] | None:
+    """The shape and partition spec of the first array sharded along an explicit mesh
+    axis (sharding in types, ``jax.make_mesh``'s default), or ``None``."""
+    for leaf in jax.tree.leaves(trees):
+        aval = jax.typeof(leaf)
+        sharding = getattr(aval, "sharding", None)
+        kinds = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+        spec = getattr(sharding, "spec", None)
+        explicit = any(kind == jax.sharding.AxisType.Explicit for kind in kinds)
+        if explicit and spec is not None and any(axis is not None for axis in spec):
+            return tuple(aval.shape), spec
+    return None
+
+
+def _sliced_loop(
     program: ElementwiseProgram,
     component: int,
     wanted: list[Any],

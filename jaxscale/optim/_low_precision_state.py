@@ -24,6 +24,7 @@ from jaxscale.optim._blockwise import (
     BlockLayout,
     _checked_block_size,
     block_layout,
+    by_leading_axes,
     codes_shape,
     format_of,
     quantizable,
@@ -31,7 +32,7 @@ from jaxscale.optim._blockwise import (
     quantize_rows,
     value_shape,
 )
-from jaxscale.optim._in_place import AS_IS, Slot, update_in_place
+from jaxscale.optim._in_place import AS_IS, CPU_SLICE, Slot, update_in_place
 from jaxscale.optim._kahan import KahanSummationState
 from jaxscale.optim._master_weights import MasterWeightsState
 from jaxscale.optim._variables import (
@@ -68,7 +69,8 @@ def _parameter_side() -> dict[type, str | None]:
     each type, and the field that holds the wrapped optimizer's state (``None``: none),
     the only field narrowed. Everything else in them is kept as it is: jaxscale's master
     copies and Kahan compensation, optax's accumulated gradients (``MultiSteps``,
-    ``apply_every``) and schedule-free's ``z`` (a sequence of parameters). Quantized,
+    ``apply_every``), schedule-free's ``z`` (a sequence of parameters) and the starting
+    parameters of DoG and DoWG. Quantized,
     those would be parameters or gradients rounded to 8 bits, which no recipe does."""
     side: dict[type, str | None] = {
         MasterWeightsState: "inner_state",
@@ -76,9 +78,16 @@ def _parameter_side() -> dict[type, str | None]:
         optax.MultiStepsState: "inner_opt_state",
         optax.ApplyEvery: None,
     }
-    schedule_free = getattr(getattr(optax, "contrib", None), "ScheduleFreeState", None)
+    contrib = getattr(optax, "contrib", None)
+    schedule_free = getattr(contrib, "ScheduleFreeState", None)
     if schedule_free is not None:
         side[schedule_free] = "base_optimizer_state"
+    # DoG and DoWG keep the parameters they started from beside scalars; optax before
+    # 0.2.5 fills them at the first update, where init's program does not show them
+    for name in ("DoGState", "DoWGState"):
+        kind = getattr(contrib, name, None)
+        if kind is not None:
+            side[kind] = None
     return side
 
 
@@ -212,7 +221,11 @@ def low_precision_state(
         layout = block_layout(leaf.shape, size, partial_blocks=partial_blocks)
         return layout if quantizable(layout, fmt) else None
 
-    def store(path: tuple[Any, ...], node: Any, origin: _Origin, unsigned: set) -> Any:
+    def store(
+        path: tuple[Any, ...], node: Any, origin: _Origin, unsigned: set, counts: list[int]
+    ) -> Any:
+        """The leaf stored; ``counts``: the leaves quantized, and those left as they are
+        for want of a block size that divides them."""
         # a leaf of Flax NNX's state arrives in a variable: the variables go inside a
         # BlockQuantized, which Flax then updates field by field (see _variables)
         leaf = value_of(node)
@@ -226,7 +239,9 @@ def low_precision_state(
             return holding(node, narrow.astype(BFLOAT16))
         layout = layout_of(leaf)
         if layout is None:
+            counts[1] += leaf.size >= SMALLEST_QUANTIZED
             return node
+        counts[0] += 1
         slot = Slot("blocks", fmt=fmt, layout=layout, signed=path not in unsigned)
         if fill is None:
             codes, scale = quantize_blockwise(
@@ -242,7 +257,11 @@ def low_precision_state(
         if isinstance(stored, BlockQuantized):
             shape = value_shape(np.shape(value_of(stored.codes)), fmt)
             layout = block_layout(shape, size, partial_blocks=partial_blocks)
-            return Slot("blocks", fmt=fmt, layout=layout, signed=path not in unsigned)
+            assert layout is not None
+            # updated a slice of rows at a time: rows of the leading axes, so that a
+            # parameter sharded along any of its axes keeps its state's shards in place
+            rows = by_leading_axes(layout, CPU_SLICE)
+            return Slot("blocks", fmt=fmt, layout=rows, signed=path not in unsigned)
         leaf = value_of(stored)
         if fmt is BFLOAT16 and _is_floating_array(leaf) and leaf.dtype == BFLOAT16 and leaf.ndim:
             return Slot("cast", dtype=BFLOAT16)
@@ -253,15 +272,23 @@ def low_precision_state(
         leaves = jax.tree.leaves(state)
         origins = dict(zip(map(id, leaves), _init_origins(inner.init, params), strict=True))
         unsigned = _second_moment_paths(state)
+        counts = [0, 0]  # quantized, left for want of a block that divides them
         stored = _statistics_map(
             lambda path, node: store(
-                path, node, origins.get(id(value_of(node)), (None, False)), unsigned
+                path, node, origins.get(id(value_of(node)), (None, False)), unsigned, counts
             ),
             state,
         )
-        if fmt is not BFLOAT16:
-            starts = {key for key, (_, parameters) in origins.items() if parameters}
-            _warn_if_nothing_quantized(stored, fmt.name, size, starts)
+        quantized, left = counts
+        if fmt is not BFLOAT16 and not quantized and left:
+            warnings.warn(
+                f"low_precision_state({fmt.name!r}, block_size={size}) quantizes none of the "
+                f"{left} state leaves of at least {SMALLEST_QUANTIZED} elements: none has a "
+                "size that is a multiple of the block; pass a block_size that divides them, "
+                "or partial_blocks=True",
+                UserWarning,
+                stacklevel=2,
+            )
         return LowPrecisionState(stored)
 
     def update_fn(
@@ -287,34 +314,6 @@ def low_precision_state(
         return new_updates, LowPrecisionState(held_like(state.inner_state, new_stored))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _warn_if_nothing_quantized(
-    stored: Any, name: str, block_size: int, starting_points: set[int]
-) -> None:
-    """A warning when leaves large enough to quantize were all left as they are because
-    ``block_size`` divides none of them (a ``block_size`` chosen for other shapes); the
-    parameters an optimizer keeps as its starting point (by ``id``) are not counted."""
-    is_stored = lambda node: isinstance(node, BlockQuantized)  # noqa: E731
-    leaves = jax.tree.leaves(stored, is_leaf=is_stored)
-    if any(is_stored(leaf) for leaf in leaves):
-        return
-    left = [
-        leaf
-        for leaf in leaves
-        if _is_floating_array(value_of(leaf))
-        and np.size(value_of(leaf)) >= SMALLEST_QUANTIZED
-        and id(value_of(leaf)) not in starting_points
-    ]
-    if left:
-        warnings.warn(
-            f"low_precision_state({name!r}, block_size={block_size}) quantizes none of the "
-            f"{len(left)} state leaves of at least {SMALLEST_QUANTIZED} elements: none has a size "
-            "that is a multiple of the block; pass a block_size that divides them, or "
-            "partial_blocks=True",
-            UserWarning,
-            stacklevel=3,
-        )
 
 
 def _state_format(dtype: Any) -> Any:

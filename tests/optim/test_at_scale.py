@@ -379,6 +379,37 @@ def test_the_cpu_backend_is_asked_whether_it_slices_bfloat16_in_place():
     assert cpu_backend.slices_bfloat16_in_place() == (version >= (0, 11, 2))
 
 
+def test_the_backend_is_asked_the_same_under_a_mesh_with_explicit_axes():
+    # a step traced under jax.set_mesh (explicit axes: Flax's sharding guides) asked the
+    # question inside its own trace, where the probe's values took the mesh's axes and
+    # its operand none: a sharding type error, before anything was computed
+    import jaxlib
+
+    version = tuple(int(part) for part in re.findall(r"\d+", jaxlib.__version__)[:3])
+    probe = cpu_backend.slices_bfloat16_in_place.__wrapped__  # (uncached)
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=explicit)
+    with jax.set_mesh(mesh):
+        assert probe() == (version >= (0, 11, 2))
+        assert bool(jax.jit(lambda: jnp.asarray(probe()))()) == (version >= (0, 11, 2))
+        # replicated arrays under that mesh step as anywhere
+        tx = jaxscale.low_precision_state(adamw(), "int8")
+        params = {"w": jnp.ones((64, 4096))}
+        jax.jit(tx.update)(params, tx.init(params), params)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_arrays_sharded_along_explicit_axes_are_refused_with_the_fix(fmt):
+    # the slices of the loop are not typed with explicit shardings yet: JAX raised a
+    # sharding type error from inside it, which named nothing a user wrote
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    tx = jaxscale.low_precision_state(adamw(), fmt)
+    params = jax.device_put({"w": jnp.ones((64, 4096))}, NamedSharding(mesh, P("fsdp")))
+    message = r"explicit mesh axes: an array of shape \(64, 4096\) is sharded as .*AxisType.Auto"
+    with pytest.raises(NotImplementedError, match=message):
+        jax.jit(tx.update)(params, tx.init(params), params)
+
+
 # -- peak memory --------------------------------------------------------------------------------
 
 
@@ -1111,6 +1142,41 @@ def test_an_fsdp_step_communicates_nothing_but_the_finite_check(make, gradients,
         jax.tree.leaves(state), jax.tree.leaves(compiled.output_shardings[1]), strict=True
     ):
         assert not leaf.ndim or not sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("gradients", ["given", "computed in the step"])
+def test_a_step_of_parameters_sharded_along_their_last_axis_communicates_nothing(fmt, gradients):
+    # column-parallel layers and FSDP over another axis: a loop over rows of one block
+    # each cut across the shards of the last axis, and every state array was gathered
+    mesh = fsdp_mesh()
+    tx = jaxscale.low_precision_state(adamw(), fmt)
+    shapes = {"a": (64, 4096), "b": (256, 2048), "c": (8, 2, 4096)}
+
+    def last(leaf):
+        rank = np.ndim(leaf)
+        return NamedSharding(mesh, P(*[None] * (rank - 1), "fsdp") if rank else P())
+
+    params = {
+        name: jax.ShapeDtypeStruct(shape, F32, sharding=last(np.empty(shape)))
+        for name, shape in shapes.items()
+    }
+    state = jax.eval_shape(tx.init, params)
+    shardings = jax.tree.map(last, state)
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                         state, shardings)  # fmt: skip
+    in_step = gradients != "given"
+
+    def step(params, state, grads):
+        if in_step:
+            grads = jax.tree.map(lambda p: jnp.sin(p) * grads, params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=(None, shardings))
+    grads = jax.ShapeDtypeStruct((), F32) if in_step else params
+    compiled = machine.compiled_to_inspect(jitted.lower(params, state, grads))
+    assert COLLECTIVE.findall(compiled.as_text()) == []
 
 
 def test_an_fsdp_step_computes_what_one_device_does():
