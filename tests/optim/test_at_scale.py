@@ -663,6 +663,34 @@ def test_slices_divide_a_leafs_rows_and_an_accelerators_take_at_least_two():
     assert _in_place.trip_count(2048, 2048, 1 << 16, least=2) == 64
 
 
+def test_a_leaf_is_sliced_in_rows_of_its_leading_axes_holding_the_same_blocks():
+    by_rows = functools.partial(_blockwise.by_leading_axes, longest=1 << 16)
+    # a matrix: its rows, each 16 blocks of 256 (a sharded last axis stays one axis)
+    rows = by_rows(_blockwise.block_layout((64, 4096), 256))
+    assert (rows.rows, rows.row_length, rows.blocks_per_row) == (64, 4096, 16)
+    assert rows.scale_shape == (64, 16)
+    # one axis, or rows longer than a slice: a row per block, as stored
+    for shape in ((4096,), (2, 1 << 18)):
+        stored = _blockwise.block_layout(shape, 256)
+        assert by_rows(stored) == stored
+    # partial blocks are rows of the leading axes already
+    partial = _blockwise.block_layout((64, 1000), 256, partial_blocks=True)
+    assert by_rows(partial) == partial
+    # read either way, the same blocks: the same codes and scales
+    ramp = jnp.arange(1, 4097, dtype=F32)[None] / 4096  # (blocks of unlike magnitudes)
+    x = jax.random.normal(jax.random.key(0), (64, 4096)) * ramp
+    stored = _blockwise.block_layout((64, 4096), 256)
+    for fmt in ("int8", "float8_e4m3fn", "int4"):
+        f = _blockwise.format_of(fmt)
+        layout = _blockwise.block_layout((64, 4096), f.block_size)
+        one, many = layout, by_rows(layout)
+        a = _blockwise.quantize_rows(x.reshape(one.rows, -1), one, f, True)
+        b = _blockwise.quantize_rows(x.reshape(many.rows, -1), many, f, True)
+        for p, q in zip(a, b, strict=True):
+            np.testing.assert_array_equal(bytes_of(p), bytes_of(q))
+    assert stored.rows == 1024  # (the stored layout itself is unchanged)
+
+
 def test_a_gpu_loops_over_a_block_quantized_leaf_that_fits_one_slice():
     # Computed whole, the leaves' blocks' maxima do not wait on one another's
     # quantizations, and XLA's GPU backend computed many leaves' maxima first, holding
