@@ -563,14 +563,24 @@ def _gradient_carriers(
     return found
 
 
-def _loop(*arguments: Any) -> tuple[list[list[Any]], list[Any], Any]:
+def _loop(
+    program: ElementwiseProgram,
+    component: int,
+    wanted: list[Any],
+    carried: list[tuple[Slot, list[Any]]],
+    sources: dict[Any, int],
+    others: list[Any],
+    other_values: list[Any],
+    *rest: Any,
+) -> tuple[list[list[Any]], list[Any], Any]:
     """:func:`_sliced_loop`; where it fails on arrays sharded along explicit mesh axes,
     an error that says so and names the fix (JAX's sharding type errors come from
     inside the loop)."""
     try:
-        return _sliced_loop(*arguments)
+        return _sliced_loop(
+            program, component, wanted, carried, sources, others, other_values, *rest
+        )
     except Exception as error:  # (JAX's sharding type errors have no public base class)
-        _, _, _, carried, _, _, other_values, *_ = arguments
         explicit = _explicitly_sharded([a for _, stored in carried for a in stored], other_values)
         if explicit is None:
             raise
