@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxscale._src.deferred import derived_elementwise
 from jaxscale._src.jaxprs import flattened_program, initial_values
 from jaxscale._src.validation import dtype_name
 from jaxscale.optim._blockwise import (
@@ -43,7 +44,7 @@ from jaxscale.optim._variables import (
     value_of,
     values_of,
 )
-from jaxscale.optim._wrapping import validated_inner
+from jaxscale.optim._wrapping import as_float32_where_narrower, validated_inner
 
 BFLOAT16 = np.dtype(jnp.bfloat16)
 # torchao (after bitsandbytes) quantizes only tensors of at least this many elements
@@ -152,7 +153,8 @@ def low_precision_state(
       (:func:`quantize_blockwise`); the leaves torchao quantizes are stored as before.
 
     Each update widens the stored state to float32 (bfloat16 exactly; the block
-    formats with :func:`dequantize_blockwise`), runs ``inner``, and stores its new
+    formats with :func:`dequantize_blockwise`) and half-precision gradients to float32
+    (as torchao's optimizers upcast theirs), runs ``inner``, and stores its new
     state again, so the state keeps its structure and dtypes from step to step (a
     requirement of ``jit``'s donated buffers and of :func:`jaxscale.grad_scaler`'s
     skipped steps); a change in ``inner``'s own structure or shapes is an error that
@@ -306,14 +308,26 @@ def low_precision_state(
         def update(updates: Any, wide_state: Any, params: Any) -> Any:
             return inner.update(updates, wide_state, params, **extra_args)
 
-        new_updates, new_stored = update_in_place(
-            update, values_of(updates), stored, slots, (values_of(params),)
-        )
+        # inner computes on float32 gradients too, as torchao's optimizers upcast theirs:
+        # bfloat16 gradients met the widened state in bfloat16 products (Adam's g * g),
+        # and an update wider than its gradient (float32) broke optax's conditionals,
+        # whose other branch keeps the gradients' dtype (apply_if_finite's zeros). The
+        # loop widens each slice of the gradients itself (derived_elementwise).
+        grads = values_of(updates)
+        wide_grads = as_float32_where_narrower(grads)
+        with derived_elementwise(wide_grads, grads, _as_float32):
+            new_updates, new_stored = update_in_place(
+                update, wide_grads, stored, slots, (values_of(params),)
+            )
         _require_same_layout(stored, new_stored)
         new_updates = held_like(updates, new_updates)
         return new_updates, LowPrecisionState(held_like(state.inner_state, new_stored))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _as_float32(gradient: Any) -> Any:
+    return gradient.astype(jnp.float32)
 
 
 def _state_format(dtype: Any) -> Any:

@@ -883,6 +883,27 @@ def test_lookahead_whose_updates_are_not_shaped_as_its_gradients_steps_inside(na
         assert error <= bound, (part, float(error), float(moved))
 
 
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_half_precision_gradients_are_widened_as_torchao_widens_them(dtype):
+    # torchao's optimizers upcast their gradients; here bfloat16 gradients met the
+    # widened state in bfloat16 products (Adam's g * g rounded to bfloat16), and a float32
+    # update broke optax.apply_if_finite, whose rejecting branch returns bfloat16 zeros
+    params = {"w": jnp.asarray(RNG_STEPS[-1] / 10, BF16)}
+    grads = {"w": jnp.asarray(RNG_STEPS[0], BF16)}
+    tx = jaxscale.low_precision_state(adamw(), dtype)
+    state = tx.init(params)
+    narrow = jax.jit(tx.update)(grads, state, params)
+    wide = jax.jit(tx.update)(jax.tree.map(lambda g: g.astype(F32), grads), state, params)
+    for a, b in zip(jax.tree.leaves(narrow), jax.tree.leaves(wide), strict=True):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+    guarded = jaxscale.low_precision_state(
+        third_party.optimizer(optax.apply_if_finite(adamw(), 3)), dtype
+    )
+    updates, _ = jax.jit(guarded.update)(grads, guarded.init(params), params)
+    np.testing.assert_array_equal(bits(updates["w"]), bits(narrow[0]["w"]))
+
+
 def test_a_parameter_named_nu_keeps_a_signed_first_moment():
     # the unsigned map is for optax's second-moment fields, not for a parameter that
     # happens to share their name: two identical parameters step alike, whatever their names
