@@ -1114,16 +1114,18 @@ FSDP_PARAMS = {
 }
 
 
-def fsdp_step(tx, mesh, gradients_in_step=False):
+def fsdp_step(tx, mesh, gradients_in_step=False, shapes=FSDP_PARAMS, sharded=None):
     """The jitted FSDP step, its abstract parameters and state. With
     ``gradients_in_step`` it takes a scalar and computes the gradients from it (a
-    training step's gradients are its own values, which the update may overwrite)."""
+    training step's gradients are its own values, which the update may overwrite).
+    ``sharded(mesh, tree)``: each leaf's sharding (by default along its first axis)."""
+    sharded = sharded or sharded_like_parameters
     params = {
-        name: jax.ShapeDtypeStruct(shape, F32, sharding=NamedSharding(mesh, P("fsdp")))
-        for name, shape in FSDP_PARAMS.items()
+        name: jax.ShapeDtypeStruct(shape, F32, sharding=sharded(mesh, np.empty(shape)))
+        for name, shape in shapes.items()
     }
     state = jax.eval_shape(tx.init, params)
-    shardings = sharded_like_parameters(mesh, state)
+    shardings = sharded(mesh, state)
     state = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings
     )
@@ -1181,27 +1183,15 @@ def test_a_step_of_parameters_sharded_along_their_last_axis_communicates_nothing
     tx = jaxscale.low_precision_state(adamw(), fmt)
     shapes = {"a": (64, 4096), "b": (256, 2048), "c": (8, 2, 4096)}
 
-    def last(leaf):
-        rank = np.ndim(leaf)
-        return NamedSharding(mesh, P(*[None] * (rank - 1), "fsdp") if rank else P())
+    def along_the_last_axis(mesh, tree):
+        def last(leaf):
+            rank = np.ndim(leaf)
+            return NamedSharding(mesh, P(*[None] * (rank - 1), "fsdp") if rank else P())
 
-    params = {
-        name: jax.ShapeDtypeStruct(shape, F32, sharding=last(np.empty(shape)))
-        for name, shape in shapes.items()
-    }
-    state = jax.eval_shape(tx.init, params)
-    shardings = jax.tree.map(last, state)
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                         state, shardings)  # fmt: skip
+        return jax.tree.map(last, tree)
+
     in_step = gradients != "given"
-
-    def step(params, state, grads):
-        if in_step:
-            grads = jax.tree.map(lambda p: jnp.sin(p) * grads, params)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=(None, shardings))
+    jitted, params, state = fsdp_step(tx, mesh, in_step, shapes, along_the_last_axis)
     grads = jax.ShapeDtypeStruct((), F32) if in_step else params
     compiled = machine.compiled_to_inspect(jitted.lower(params, state, grads))
     assert COLLECTIVE.findall(compiled.as_text()) == []
