@@ -8,10 +8,13 @@ writes the new state in place. Run it on one process of four devices, or as two
 processes of two devices each (JAX's multi-controller runtime with gloo CPU
 collectives, the same code path as two hosts): each device holds a quarter of the
 state, the compiled step holds no collective, and both print the same digest of the
-parameters and state after the steps.
+parameters and state after the steps. With ``--axes explicit`` the mesh's axes are
+explicit (sharding in types, ``jax.make_mesh``'s default) and set with
+``jax.set_mesh``: the same digest again.
 
     python examples/fsdp_low_precision.py --local-devices 4
     python examples/fsdp_low_precision.py --processes 2
+    python examples/fsdp_low_precision.py --processes 2 --axes explicit
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+from typing import Any
 
 SHAPES = {"embed": (512, 256), "dense": (1024, 512), "head": (256, 1000), "bias": (4096,)}
 
@@ -37,6 +41,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--local-devices", type=int, default=2, help="CPU devices per process")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--format", default="int8", help="the state's dtype, e.g. int8 or int4")
+    parser.add_argument(
+        "--axes", choices=("automatic", "explicit"), default="automatic", help="the mesh's axes"
+    )
     parser.add_argument("--out", type=pathlib.Path, help="write this process's record here")
     return parser.parse_args(argv)
 
@@ -53,7 +60,8 @@ def launch(args: argparse.Namespace, timeout: float = 240.0) -> list[dict]:
         command = [sys.executable, __file__, "--coordinator", f"127.0.0.1:{port}",
                    "--num-processes", str(args.processes), "--process-id", str(i),
                    "--local-devices", str(args.local_devices), "--steps", str(args.steps),
-                   "--format", args.format, "--out", str(outs[-1])]  # fmt: skip
+                   "--format", args.format, "--axes", args.axes,
+                   "--out", str(outs[-1])]  # fmt: skip
         procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     records = []
     for proc, out in zip(procs, outs, strict=True):
@@ -79,6 +87,20 @@ def train(args: argparse.Namespace) -> dict:
         jax.distributed.initialize(
             args.coordinator, num_processes=args.num_processes, process_id=args.process_id
         )
+    import numpy as np
+
+    if args.axes == "explicit":
+        mesh = jax.make_mesh(
+            (jax.device_count(),), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,)
+        )
+        with jax.set_mesh(mesh):
+            return _train(args, mesh)
+    return _train(args, jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",)))
+
+
+def _train(args: argparse.Namespace, mesh: Any) -> dict:
+    """The steps on ``mesh``: this process's record."""
+    import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
@@ -87,8 +109,6 @@ def train(args: argparse.Namespace) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import jaxscale
-
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
 
     def along_first_axis(leaf: jax.Array) -> NamedSharding:
         return NamedSharding(mesh, P("fsdp") if np.ndim(leaf) else P())

@@ -14,30 +14,37 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
-# id of a derived value -> (the value itself, its source, the function of the source)
-_DERIVED: contextvars.ContextVar[dict[int, tuple[Any, Any, Callable[[Any], Any]]]] = (
-    contextvars.ContextVar("jaxscale_elementwise_derived", default={})  # noqa: B039
+# id of a derived value -> (the value itself, its source, the function of the source and
+# of the constants, the constants)
+_Entry = tuple[Any, Any, Callable[..., Any], tuple[Any, ...]]
+_DERIVED: contextvars.ContextVar[dict[int, _Entry]] = contextvars.ContextVar(
+    "jaxscale_elementwise_derived",
+    default={},  # noqa: B039
 )
 
 
 @contextlib.contextmanager
 def derived_elementwise(
-    derived: Any, sources: Any, function: Callable[[Any], Any]
+    derived: Any, sources: Any, function: Callable[..., Any], *constants: Any
 ) -> Iterator[None]:
-    """Within the block, each leaf of ``derived`` is known as ``function(source)`` of the
-    leaf of ``sources`` in its place (same tree), elementwise: ``function`` of a slice of
-    the source is that slice of the derived leaf. Leaves that are their source, or of
+    """Within the block, each leaf of ``derived`` is known as ``function(source,
+    *constants)`` of the leaf of ``sources`` in its place (same tree), elementwise:
+    ``function`` of a slice of the source is that slice of the derived leaf. The
+    ``constants`` (a loss scaler's inverse scale) are the arrays ``function`` reads
+    beside the source, passed rather than closed over, so that a caller that retypes
+    arrays for a computation can retype them too. Leaves that are their source, or of
     another shape, are not recorded."""
     known = dict(_DERIVED.get())
     for value, source in zip(jax.tree.leaves(derived), jax.tree.leaves(sources), strict=True):
         if value is not source and np.shape(value) == np.shape(source):
-            known[id(value)] = (value, source, function)
+            known[id(value)] = (value, source, function, constants)
     token = _DERIVED.set(known)
     try:
         yield
@@ -45,21 +52,35 @@ def derived_elementwise(
         _DERIVED.reset(token)
 
 
+def elementwise_chain(
+    value: Any,
+) -> tuple[Any, list[tuple[Callable[..., Any], tuple[Any, ...]]]] | None:
+    """``(source, steps)``: the first source ``value`` was derived from, and the
+    ``(function, constants)`` that derive it, first applied first; ``None`` for a value
+    not recorded by :func:`derived_elementwise`."""
+    known = _DERIVED.get()
+    steps: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+    while (entry := known.get(id(value))) is not None and entry[0] is value:
+        value = entry[1]
+        steps.append((entry[2], entry[3]))
+    if not steps:
+        return None
+    return value, steps[::-1]
+
+
+def applied(steps: list[tuple[Callable[..., Any], tuple[Any, ...]]], piece: Any) -> Any:
+    """``piece`` through each of :func:`elementwise_chain`'s ``steps`` in turn."""
+    for function, constants in steps:
+        piece = function(piece, *constants)
+    return piece
+
+
 def elementwise_origin(value: Any) -> tuple[Any, Callable[[Any], Any]] | None:
     """``(source, function)`` with ``value == function(source)`` elementwise, following
     a value derived from a derived value back to the first source; ``None`` for a value
     not recorded by :func:`derived_elementwise`."""
-    known = _DERIVED.get()
-    functions: list[Callable[[Any], Any]] = []
-    while (entry := known.get(id(value))) is not None and entry[0] is value:
-        value, function = entry[1], entry[2]
-        functions.append(function)
-    if not functions:
+    chain = elementwise_chain(value)
+    if chain is None:
         return None
-
-    def composed(piece: Any) -> Any:
-        for function in reversed(functions):
-            piece = function(piece)
-        return piece
-
-    return value, composed
+    source, steps = chain
+    return source, functools.partial(applied, steps)

@@ -28,6 +28,7 @@ argument, is here too, so that one module follows where JAX keeps it."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import os
@@ -56,6 +57,26 @@ def is_traced(value: Any) -> bool:
     return isinstance(value, jax.core.Tracer)
 
 
+# ids of values that stand for staged arguments (see arguments_retyped)
+_STANDING_FOR_ARGUMENTS: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "jaxscale_standing_for_arguments", default=frozenset()
+)
+
+
+@contextlib.contextmanager
+def arguments_retyped(pairs: Sequence[tuple[Any, Any]]) -> Iterator[None]:
+    """Within the block, the second value of each ``(original, retyped)`` pair counts as
+    a staged argument (:func:`is_staged_argument`) where the first is one: the same
+    array in another type (retyped for a mesh whose axes a computation made automatic),
+    whose buffer is still the caller's."""
+    ids = {id(new) for old, new in pairs if is_staged_argument(old)}
+    token = _STANDING_FOR_ARGUMENTS.set(_STANDING_FOR_ARGUMENTS.get() | ids)
+    try:
+        yield
+    finally:
+        _STANDING_FOR_ARGUMENTS.reset(token)
+
+
 def is_staged_argument(value: Any) -> bool:
     """Whether XLA will receive ``value`` as an argument of the program being compiled:
     a concrete array, or an argument of the function ``jax.jit`` is tracing (rather
@@ -63,7 +84,7 @@ def is_staged_argument(value: Any) -> bool:
     an output's), so a program that writes into it writes into a copy first; a value
     computed in the program has a buffer of its own. Where JAX's tracer cannot be read
     (another kind of tracer, or a JAX that keeps it otherwise), ``False``."""
-    if not is_traced(value):
+    if not is_traced(value) or id(value) in _STANDING_FOR_ARGUMENTS.get():
         return True
     try:
         from jax._src.interpreters.partial_eval import DynamicJaxprTracer
@@ -328,6 +349,16 @@ def inlined_equations(jaxpr: Any, substitution: dict[Any, Any]) -> list[Any]:
             outvars.append(var)
         equations.append(eqn.replace(invars=invars, outvars=outvars))
     return equations
+
+
+# primitives that change an array's sharding (or its type's) and nothing of its values
+_SHARDING_ONLY = ("reshard", "sharding_constraint", "mesh_cast")
+
+
+def sharding_only(eqn: Any) -> bool:
+    """Whether ``eqn`` changes nothing of its operand's values, only how it is sharded
+    (or how its type names the sharding)."""
+    return eqn.primitive.name in _SHARDING_ONLY
 
 
 def select_equation(which: Any, cases: Sequence[Any], out: Any, like: Any | None = None) -> Any:

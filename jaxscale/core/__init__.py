@@ -23,6 +23,7 @@ from jaxscale.core._scaling import unscale_and_check as unscale_and_check
 from jaxscale.core._skip import run_unless as run_unless
 from jaxscale.core._skip import skip_applied as skip_applied
 from jaxscale.core._skip import skip_predicate as skip_predicate
+from jaxscale.core._skip import skip_predicate_as as skip_predicate_as
 from jaxscale.core._skip import update_unless as update_unless
 from jaxscale.core._state import ScalerState as ScalerState
 from jaxscale.core._state import init_scaler_state as init_scaler_state
@@ -44,6 +45,7 @@ __all__ = [
     "scale_outputs",
     "skip_applied",
     "skip_predicate",
+    "skip_predicate_as",
     "unscale_and_check",
     "update_scale",
     "update_unless",

@@ -21,6 +21,7 @@ from jaxscale._src.jaxprs import (
     is_traced,
     is_variable,
     select_equation,
+    sharding_only,
     substituted,
 )
 
@@ -56,6 +57,18 @@ def _skipping(found_inf: jax.Array) -> Iterator[None]:
         yield
     finally:
         _PREDICATE.reset(token)
+
+
+@contextlib.contextmanager
+def skip_predicate_as(predicate: jax.Array | None) -> Iterator[None]:
+    """Within the block, :func:`skip_predicate` returns ``predicate``: the same
+    predicate in another type (retyped for a mesh whose axes an update made automatic
+    while it runs), where the step has one."""
+    if predicate is None or _PREDICATE.get() is None:
+        yield
+        return
+    with _skipping(predicate):
+        yield
 
 
 def skipped_update(update: jax.Array) -> jax.Array:
@@ -179,9 +192,13 @@ def _with_selects(
     """
     counts = collections.Counter(var for var in outvars if is_variable(var))
     computed = {var for eqn in equations for var in eqn.outvars}
-    selected_already = {
-        var for eqn in equations if eqn.primitive is _SKIP_APPLIED for var in eqn.outvars
-    }
+    # (a selected value retyped for its sharding alone is selected too)
+    selected_already: set[Any] = set()
+    for eqn in equations:
+        if eqn.primitive is _SKIP_APPLIED or (
+            sharding_only(eqn) and all(var in selected_already for var in eqn.invars)
+        ):
+            selected_already.update(eqn.outvars)
     in_place = {
         var: old
         for var, old, back in zip(outvars, olds, read_back, strict=True)

@@ -60,6 +60,11 @@ from jaxscale.optim._blockwise import (
     dequantize_rows,
     quantize_rows,
 )
+from jaxscale.optim._explicit_axes import (
+    explicit_spec,
+    first_explicitly_sharded,
+    on_automatic_axes,
+)
 from jaxscale.optim._handed_down import claim
 
 # Elements of one leaf processed per loop iteration: small on a CPU, whose temporaries
@@ -206,6 +211,8 @@ def update_in_place(
     returned are then computed on whole arrays, for a writer that cannot use what the
     step wrote (XLA drops them where it can).
     """
+    if first_explicitly_sharded(updates, stored, rest) is not None:
+        return _on_automatic_axes(update, updates, stored, slots, rest)
     step = claim()
     if step is None:
         return _update_in_place(update, updates, stored, slots, rest)
@@ -225,6 +232,61 @@ def update_in_place(
     step.updates = jax.tree.leaves(plain_updates)
     step.written, step.new_beside = written, new_beside
     return plain_updates, new_stored
+
+
+def _on_automatic_axes(update: Callable[..., tuple[Any, Any]], *arguments: Any) -> tuple[Any, Any]:
+    """:func:`update_in_place` for arrays sharded along explicit mesh axes: computed with
+    the axes made automatic (:func:`on_automatic_axes`), whose type rules the loop's
+    reshapes and slices need not follow. The new state is sharded as the old one, each
+    update as its gradient (an update shaped otherwise, replicated); what a parameter
+    writer's step handed down records is retyped as the results are."""
+    updates, stored, slots, rest = arguments
+    step = claim()
+    if step is not None:
+        step.claimed = False  # (claimed again inside, where the loop runs)
+
+    def computed(updates: Any, stored: Any, rest: tuple[Any, ...], beside: Any) -> Any:
+        if step is not None:
+            step.beside = beside  # (the writer's own state, retyped as the arguments)
+        new_updates, new_stored = update_in_place(update, updates, stored, slots, rest)
+        if step is None or step.updates is None:
+            return new_updates, new_stored, None
+        return new_updates, new_stored, (step.written, step.new_beside)
+
+    def specs(results: Any) -> Any:
+        new_updates, _, handed = results
+        state_specs = _specs_of(stored)
+        if handed is None:
+            return _specs_like(new_updates, updates), state_specs, None
+        written, _ = handed
+        handed_specs = (_specs_like(written, updates), _specs_of(beside))
+        return _specs_like(new_updates, updates), state_specs, handed_specs
+
+    beside = None if step is None else step.beside
+    new_updates, new_stored, handed = on_automatic_axes(
+        computed, (updates, stored, rest, beside), specs
+    )
+    if step is not None and handed is not None:
+        step.updates = jax.tree.leaves(new_updates)
+        step.written, step.new_beside = handed
+    return new_updates, new_stored
+
+
+def _specs_of(tree: Any) -> Any:
+    """``tree`` with each array replaced by its explicit partition spec (``None`` where
+    it is replicated)."""
+    leaves, structure = jax.tree.flatten(tree)
+    return jax.tree.unflatten(structure, [explicit_spec(leaf) for leaf in leaves])
+
+
+def _specs_like(results: Any, grads: Any) -> Any:
+    """:func:`_specs_of` the gradients for results of their structure (updates, what a
+    writer wrote); ``None`` (replicated) for each leaf of results shaped otherwise."""
+    leaves, structure = jax.tree.flatten(results)
+    grads_leaves, grads_structure = jax.tree.flatten(grads)
+    if cast(Any, structure) == grads_structure:
+        return jax.tree.unflatten(structure, [explicit_spec(leaf) for leaf in grads_leaves])
+    return jax.tree.unflatten(structure, [None] * len(leaves))
 
 
 def _widened_state(stored: Any, slots: Any) -> Any:

@@ -33,6 +33,7 @@ from jaxscale.optim._blockwise import (
     quantize_rows,
     value_shape,
 )
+from jaxscale.optim._explicit_axes import explicit_spec, placed_like, spec_for_shape
 from jaxscale.optim._in_place import AS_IS, CPU_SLICE, Slot, update_in_place
 from jaxscale.optim._kahan import KahanSummationState
 from jaxscale.optim._master_weights import MasterWeightsState
@@ -238,7 +239,7 @@ def low_precision_state(
             if not leaf.ndim:
                 return node
             narrow = jnp.full(leaf.shape, fill, BFLOAT16) if fill is not None else leaf
-            return holding(node, narrow.astype(BFLOAT16))
+            return holding(node, _typed_like(narrow.astype(BFLOAT16), leaf))
         layout = layout_of(leaf)
         if layout is None:
             counts[1] += leaf.size >= SMALLEST_QUANTIZED
@@ -251,6 +252,7 @@ def low_precision_state(
             )
         else:
             codes, scale = _filled(slot, fill)
+        codes, scale = _typed_like(codes, leaf), _typed_like(scale, leaf)
         return BlockQuantized(
             holding(node, codes), holding(node, scale, out_sharding=_scale_sharding(node, layout))
         )
@@ -356,6 +358,16 @@ def _filled(slot: Slot, fill: np.ndarray) -> tuple[jax.Array, jax.Array]:
     assert one is not None
     codes, scale = quantize_rows(block, one, fmt, slot.signed)
     return jnp.full(shape, codes[0, 0]), jnp.full(layout.scale_shape, scale[0, 0])
+
+
+def _typed_like(array: jax.Array, leaf: Any) -> jax.Array:
+    """``array`` (a stored form of ``leaf``: codes, scales, bfloat16) sharded as ``leaf``
+    is, where ``leaf``'s type names explicit mesh axes (``jnp.zeros_like`` keeps them,
+    a fill made from constants does not); else ``array``."""
+    spec = explicit_spec(leaf)
+    if spec is None:
+        return array
+    return placed_like(array, leaf, spec_for_shape(spec, leaf, tuple(array.shape)))
 
 
 # how ``init`` made a state leaf: the one constant it filled it with (or None), and

@@ -115,13 +115,15 @@ def stochastic_rounding(
             treedef, [jax.random.fold_in(step_key, index) for index in range(len(leaves))]
         )
 
-        def rounded(inner_updates: Any, wide_params: Any, nothing: None) -> tuple[Any, None]:
+        def rounded(inner_updates: Any, wide_params: Any, keys: Any) -> tuple[Any, Any]:
             # computed with the inner update (slice by slice where its state is), so that
             # the float32 sum is not written out whole
-            return jax.tree.map(_rounded, params, wide_params, inner_updates, keys), nothing
+            return jax.tree.map(_rounded, params, wide_params, inner_updates, keys), keys
 
+        # (the keys passed beside the state, not closed over: an update that retypes its
+        # arrays for a mesh, as on explicit mesh axes, retypes them too)
         written, (inner_state, _) = widened_state.update(
-            updates, state.inner_state, params, finish=rounded, **extra_args
+            updates, state.inner_state, params, finish=rounded, beside=keys, **extra_args
         )
         written = jax.tree.map(_as_update, params, written)
         return written, StochasticRoundingState(next_key, inner_state)

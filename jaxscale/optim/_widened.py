@@ -122,7 +122,6 @@ def _slot_of(leaf: Any) -> Slot:
     """Widened and narrowed back for a half-precision array; as it is otherwise (scalars,
     float32, and the float8 or integer codes of a state that stores itself, such as
     :func:`jaxscale.low_precision_state`'s)."""
-    dtype = getattr(leaf, "dtype", None)
-    if dtype is not None and np.dtype(dtype) in _HALF and np.ndim(leaf):
-        return Slot("cast", dtype=np.dtype(dtype))
+    if _is_floating_array(leaf) and np.dtype(leaf.dtype) in _HALF and np.ndim(leaf):
+        return Slot("cast", dtype=np.dtype(leaf.dtype))
     return AS_IS

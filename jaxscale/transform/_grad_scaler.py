@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -197,9 +196,8 @@ def grad_scaler(
         def inner_update(grads: optax.Updates, inner_state: Any) -> tuple[optax.Updates, Any]:
             # unscaling here, inside the skip, fuses it into inner's own pass (or into
             # each slice of a state updated in place)
-            unscaled_of = functools.partial(unscale, inv_scale=inv_scale)
-            unscaled = unscaled_of(grads)
-            with derived_elementwise(unscaled, grads, unscaled_of):
+            unscaled = unscale(grads, inv_scale=inv_scale)
+            with derived_elementwise(unscaled, grads, _unscaled, inv_scale):
                 return inner.update(unscaled, inner_state, params, **extra_args)
 
         # A skipped step emits -0.0 updates and keeps the inner state exactly as it was.
@@ -263,3 +261,7 @@ def _passthrough(
         return updates, state._replace(inner_state=inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _unscaled(grads: Any, inv_scale: Any) -> Any:
+    return unscale(grads, inv_scale=inv_scale)

@@ -398,18 +398,6 @@ def test_the_backend_is_asked_the_same_under_a_mesh_with_explicit_axes():
         jax.jit(tx.update)(params, tx.init(params), params)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_arrays_sharded_along_explicit_axes_are_refused_with_the_fix(fmt):
-    # the slices of the loop are not typed with explicit shardings yet: JAX raised a
-    # sharding type error from inside it, which named nothing a user wrote
-    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
-    tx = jaxscale.low_precision_state(adamw(), fmt)
-    params = jax.device_put({"w": jnp.ones((64, 4096))}, NamedSharding(mesh, P("fsdp")))
-    message = r"explicit mesh axes: an array of shape \(64, 4096\) is sharded as .*AxisType.Auto"
-    with pytest.raises(NotImplementedError, match=message):
-        jax.jit(tx.update)(params, tx.init(params), params)
-
-
 # -- peak memory --------------------------------------------------------------------------------
 
 
@@ -1248,6 +1236,208 @@ def test_an_8_bit_state_saved_on_8_devices_restores_onto_4_bit_for_bit(tmp_path)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
         np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
         assert len(b.sharding.device_set) == (4 if b.ndim else len(b.sharding.device_set))
+
+
+# -- meshes with explicit axes (sharding in types, jax.make_mesh's default) --------------------
+
+EXPLICIT_TRANSFORMS = {
+    **{fmt: (F32, lambda fmt=fmt: jaxscale.low_precision_state(adamw(), fmt)) for fmt in FORMATS},
+    "stochastic_rounding": (
+        BF16,
+        lambda: jaxscale.stochastic_rounding(adamw(), key=jax.random.key(0)),
+    ),
+    "kahan_summation": (BF16, lambda: jaxscale.kahan_summation(adamw())),
+    "master_weights(int8)": (
+        BF16,
+        lambda: jaxscale.master_weights(jaxscale.low_precision_state(adamw(), "int8")),
+    ),
+    "grad_scaler(int8)": (
+        F32,
+        lambda: jaxscale.grad_scaler(jaxscale.low_precision_state(adamw(), "int8")),
+    ),
+}  # fmt: skip
+
+
+REPLICATED = (3, 5)
+
+
+def mesh_of(kind, devices=8):
+    return machine.mesh((devices,), ("fsdp",), axis_types=(kind,))
+
+
+def explicit_step_run(tx, kind, dtype, spec, in_step, steps=2):
+    """Parameters sharded as ``spec`` where they are matrices (along their one axis
+    otherwise) trained ``steps`` steps under ``jax.set_mesh`` on a mesh of ``kind`` axes:
+    (params, state, the first step compiled). Along rows, FSDP_PARAMS and a 64 x 4096
+    leaf; along columns, leaves whose rows each device holds whole blocks of."""
+    mesh = mesh_of(kind)
+    if spec == P("fsdp"):
+        shapes = {**FSDP_PARAMS, "e": (64, 4096)}
+    else:
+        shapes = {"b": (4096,), "e": (64, 4096), "f": (256, 2048)}
+    key = jax.random.key(0)
+    params = {
+        name: (jax.random.normal(jax.random.fold_in(key, i), shape) * 0.1).astype(dtype)
+        for i, (name, shape) in enumerate(shapes.items())
+    }
+    placed = {n: NamedSharding(mesh, spec if p.ndim == 2 else P("fsdp")) for n, p in params.items()}
+    # and a small parameter replicated (its update must not take another's sharding)
+    params["replicated"] = jnp.linspace(-1, 1, 15, dtype=dtype).reshape(REPLICATED)
+    placed["replicated"] = NamedSharding(mesh, P())
+    params = jax.device_put(params, placed)
+
+    def step(params, state, given):
+        if in_step:
+            grads = jax.tree.map(lambda p: jnp.sin(p * given.astype(p.dtype)), params)
+            # written out in their dtype, as a layer's are (XLA may keep a bfloat16 sine
+            # in float32 where it fuses it into a conversion, in one program and not in
+            # another: see sine_training_step)
+            grads = jax.lax.optimization_barrier(grads)
+        else:
+            grads = given
+        updates, state = tx.update(grads, state, params)
+        with third_party.standard_promotion():
+            return optax.apply_updates(params, updates), state
+
+    with jax.set_mesh(mesh):
+        state = jax.jit(tx.init)(params)
+        jitted = jax.jit(step, donate_argnums=(0, 1))
+        compiled = None
+        for k in range(steps):
+            scale = jnp.float32(3.0 + k)
+            given = scale if in_step else jax.tree.map(functools.partial(cosine, scale), params)
+            if compiled is None:
+                compiled = machine.compiled_to_inspect(jitted.lower(params, state, given))
+            params, state = jitted(params, state, given)
+    return params, state, compiled
+
+
+def cosine(scale, p):
+    return jnp.cos(p * scale.astype(p.dtype))
+
+
+def spec_names(array):
+    """The mesh axis names of an array's sharding (its type's, traced), trailing
+    unsharded axes dropped."""
+    traced = isinstance(array, jax.core.Tracer)
+    names = tuple((jax.typeof(array).sharding if traced else array.sharding).spec)
+    while names and names[-1] is None:
+        names = names[:-1]
+    return names
+
+
+@pytest.mark.parametrize("gradients", ["given", "computed in the step"])
+@pytest.mark.parametrize("name", list(EXPLICIT_TRANSFORMS))
+def test_a_step_on_explicit_mesh_axes_is_the_step_on_automatic_ones(name, gradients, monkeypatch):
+    # On jax.make_mesh's default axes (sharding in types) the slice loop raised JAX's
+    # sharding type errors: its reshapes, slices and recomputed pieces follow no type
+    # rule. It now runs with the axes made automatic for its duration.
+    loops_over_bfloat16(monkeypatch, True)  # (the writers' loop, on any JAX)
+    dtype, make = EXPLICIT_TRANSFORMS[name]
+    explicit, automatic = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
+    in_step = gradients != "given"
+    specs = [P("fsdp")] if not in_step else [P("fsdp"), P(None, "fsdp")]
+    for spec in specs:
+        params, state, compiled = explicit_step_run(make(), explicit, dtype, spec, in_step)
+        expected = explicit_step_run(make(), automatic, dtype, spec, in_step)
+        # bit for bit the step on automatic axes: parameters and state
+        got_leaves = jax.tree.leaves((params, state))
+        for a, b in zip(jax.tree.leaves(expected[:2]), got_leaves, strict=True):
+            np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
+            if not np.ndim(b):
+                continue  # (a count, the loss scale)
+            # ... and sharded as it: each state leaf with its parameter
+            assert spec_names(a) == spec_names(b)
+            assert len(b.sharding.device_set) == 8
+            assert b.sharding.is_fully_replicated == (b.shape == REPLICATED)
+        collectives = COLLECTIVE.findall(compiled.as_text())
+        if name.startswith("grad_scaler"):  # its finite check's one all-reduce, of booleans
+            assert collectives
+            assert all(kind == "all-reduce" for _, kind, _ in collectives)
+        else:
+            assert collectives == [], (spec, collectives)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "bfloat16"])
+def test_init_on_explicit_mesh_axes_types_the_state_as_its_parameters(fmt):
+    # a state made of constants (the zero moments' codes and scales) was typed
+    # replicated, and a step then all-gathered every parameter to meet it
+    mesh = mesh_of(jax.sharding.AxisType.Explicit)
+    tx = jaxscale.low_precision_state(adamw(), fmt)
+    shapes = {
+        "rows": ((64, 4096), P("fsdp")),
+        "columns": ((64, 4096), P(None, "fsdp")),
+        "blocks of rows": ((512, 64), P("fsdp")),
+        "few blocks": ((16, 512), P(None, "fsdp")),
+    }
+    params = {n: jax.device_put(jnp.ones(shape), NamedSharding(mesh, spec))
+              for n, (shape, spec) in shapes.items()}  # fmt: skip
+    with jax.set_mesh(mesh):
+        jitted, eager = jax.jit(tx.init)(params), tx.init(params)
+
+    def trimmed(leaf):  # its spec, trailing unsharded axes dropped
+        return P(*spec_names(leaf))
+
+    mu = jitted.inner_state[0].mu
+    for got in (mu, eager.inner_state[0].mu):
+        names = jax.tree.map(trimmed, got)
+        if fmt == "bfloat16":
+            assert names == {n: P(*spec) for n, (_, spec) in shapes.items()}
+            continue
+        # codes as the parameter (int4's last axis halved); scales (leading axes, then
+        # the blocks) along the same axis, where their length divides among the devices
+        quantized = jaxscale.optim.BlockQuantized
+        assert names["rows"] == quantized(P("fsdp"), P("fsdp"))
+        assert names["columns"] == quantized(P(None, "fsdp"), P(None, "fsdp"))
+        assert names["blocks of rows"] == quantized(P("fsdp"), P("fsdp"))
+        # rows of 512 in blocks of 256 (int4: 128): 2 (4) per row, which 8 devices do not
+        # divide: the scales replicated
+        assert names["few blocks"] == quantized(P(None, "fsdp"), P())
+    for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager), strict=True):
+        np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
+
+
+def test_a_skipped_step_on_explicit_mesh_axes_keeps_the_state_bit_for_bit():
+    mesh = mesh_of(jax.sharding.AxisType.Explicit)
+    tx = jaxscale.grad_scaler(jaxscale.low_precision_state(adam(), "int8"))
+    params = jax.device_put({"w": jnp.ones((64, 4096))}, NamedSharding(mesh, P("fsdp")))
+    poison = jnp.where(jnp.arange(64)[:, None] == 3, jnp.inf, 1.0)
+    with jax.set_mesh(mesh):
+        update = jax.jit(tx.update)
+        grads = jax.tree.map(lambda p: jnp.sin(p) * 0.5, params)
+        _, state = update(grads, tx.init(params), params)
+        updates, skipped = update(jax.tree.map(lambda g: g * poison, grads), state, params)
+    before, after = jax.tree.leaves(state.inner_state), jax.tree.leaves(skipped.inner_state)
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
+    assert float(skipped.scaler.scale) == float(state.scaler.scale) / 2
+    np.testing.assert_array_equal(bytes_of(updates["w"]), bytes_of(jnp.full((64, 4096), -0.0)))
+
+
+def test_a_step_on_explicit_mesh_axes_costs_the_memory_of_one_on_automatic_ones(monkeypatch):
+    # the masters a writer keeps are passed to its optimizer as the parameters too: each
+    # retyped on its own, the loop carried both (4 bytes per parameter more)
+    loops_over_bfloat16(monkeypatch, True)
+    kinds = jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit
+    temporaries = []
+    for kind in kinds:
+        mesh = mesh_of(kind)
+        tx = jaxscale.master_weights(jaxscale.low_precision_state(adamw(), "int8"))
+        placed = NamedSharding(mesh, P("fsdp"))
+        params = {"w": jax.ShapeDtypeStruct((1024, 2048), BF16, sharding=placed)}
+
+        def step(params, state, scale, tx=tx):
+            grads = jax.tree.map(lambda p: jnp.sin(p * scale.astype(p.dtype)), params)
+            updates, state = tx.update(grads, state, params)
+            with third_party.standard_promotion():
+                return optax.apply_updates(params, updates), state
+
+        with jax.set_mesh(mesh):
+            state = jax.eval_shape(tx.init, params)
+            lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, jnp.float32(1))
+            memory = machine.compiled_to_inspect(lowered).memory_analysis()
+        temporaries.append(memory.temp_size_in_bytes / (1024 * 2048 / 8))
+    assert temporaries[1] == temporaries[0] < 5.0, temporaries
 
 
 @pytest.mark.parametrize(

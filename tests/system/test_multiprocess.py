@@ -168,9 +168,11 @@ def test_a_process_that_dies_stops_the_others_with_jaxs_error(run):
     assert elapsed < 60
 
 
-def test_8_bit_state_sharded_over_two_processes_steps_as_on_one(tmp_path, monkeypatch):
+@pytest.mark.parametrize("axes", ["automatic", "explicit"])
+def test_8_bit_state_sharded_over_two_processes_steps_as_on_one(axes, tmp_path, monkeypatch):
     # examples/fsdp_low_precision.py: parameters and their 8-bit Adam state sharded along
     # the first axis over 4 devices, as two processes of two devices and as one of four
+    # (on automatic axes); the two processes' mesh with automatic or explicit axes
     sys.path.insert(0, str(EXAMPLES))
     try:
         fsdp = importlib.import_module("fsdp_low_precision")
@@ -180,7 +182,7 @@ def test_8_bit_state_sharded_over_two_processes_steps_as_on_one(tmp_path, monkey
     compile_afresh_where_cached_jobs_hang(monkeypatch)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("PYTHONPATH", paths.this_checkout_first())
-    records = fsdp.launch(fsdp.parse(["--processes", "2"]))
+    records = fsdp.launch(fsdp.parse(["--processes", "2", "--axes", axes]))
     assert [r["returncode"] for r in records] == [0, 0], [r["stderr"] for r in records]
     command = [sys.executable, str(EXAMPLES / "fsdp_low_precision.py"), "--local-devices", "4"]
     import json

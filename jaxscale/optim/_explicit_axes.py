@@ -1,0 +1,149 @@
+"""Arrays sharded along explicit mesh axes (sharding in types, ``jax.make_mesh``'s default).
+
+On such a mesh each array's type names its sharding, and every operation must say how
+its result is sharded where JAX cannot infer it. The low-precision state's slice loop
+reshapes, slices and recomputes its arrays piece by piece, which JAX's type rules do
+not follow; it runs with the mesh's axes made automatic for its duration
+(:func:`on_automatic_axes`), each array constrained to the sharding its type had, so
+that XLA's partitioner places every slice where its array lies and the step
+communicates nothing, as it does on a mesh with automatic axes. The state ``init``
+makes is typed with the shardings of the leaves it stands for (:func:`placed_like`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxscale._src.deferred import applied, derived_elementwise, elementwise_chain
+from jaxscale._src.jaxprs import arguments_retyped
+from jaxscale.core import skip_predicate, skip_predicate_as
+
+EXPLICIT = jax.sharding.AxisType.Explicit
+AUTO = jax.sharding.AxisType.Auto
+
+
+def explicit_spec(array: Any) -> PartitionSpec | None:
+    """The partition spec of ``array``'s type where it names an explicit mesh axis,
+    else ``None`` (a replicated array, an automatic mesh, no mesh, no array)."""
+    try:
+        sharding = getattr(jax.typeof(array), "sharding", None)
+    except TypeError:  # (not an array)
+        return None
+    mesh = getattr(sharding, "mesh", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None or not any(kind == EXPLICIT for kind in getattr(mesh, "axis_types", ())):
+        return None
+    return spec if any(axis is not None for axis in spec) else None
+
+
+def first_explicitly_sharded(*trees: Any) -> tuple[tuple[int, ...], PartitionSpec] | None:
+    """The shape and partition spec of the first array in ``trees`` sharded along an
+    explicit mesh axis, or ``None``."""
+    for leaf in jax.tree.leaves(trees):
+        spec = explicit_spec(leaf)
+        if spec is not None:
+            return tuple(jax.typeof(leaf).shape), spec
+    return None
+
+
+def spec_for_shape(spec: PartitionSpec, like: Any, shape: tuple[int, ...]) -> PartitionSpec:
+    """``spec`` (of the array ``like``) for an array of ``shape`` that shares its leading
+    axes: a quantized leaf's codes (its shape, or its last axis halved) and scales (its
+    leading axes, then one of blocks). Each axis keeps its name where the new length is
+    still divisible by the mesh axes' size; the last axis of a shorter shape takes the
+    name of the first of the trailing axes it stands for, where no later one is named."""
+    mesh = _mesh_of(like)
+    names = tuple(spec) + (None,) * (len(jax.typeof(like).shape) - len(spec))
+    k = len(shape) - 1
+    if len(shape) < len(names):
+        last = names[k] if all(name is None for name in names[k + 1 :]) else None
+        names = (*names[:k], last)
+    kept = tuple(
+        name if name is None or length % _size(mesh, name) == 0 else None
+        for name, length in zip(names, shape, strict=True)
+    )
+    return PartitionSpec(*kept)
+
+
+def placed_like(array: Any, like: Any, spec: PartitionSpec) -> Any:
+    """``array`` typed as sharded by ``spec`` on the mesh of ``like``'s type."""
+    return jax.sharding.reshard(array, NamedSharding(_mesh_of(like), spec))
+
+
+def on_automatic_axes(
+    function: Callable[..., Any], arguments: tuple[Any, ...], result_specs: Callable[[Any], Any]
+) -> Any:
+    """``function(*arguments)`` with the explicit axes of the arguments' mesh made
+    automatic while it runs: each argument array is constrained to the sharding its type
+    names, so XLA's partitioner places what ``function`` computes from it where it lies.
+    ``result_specs(results)`` gives a partition spec (or ``None``: replicated) for each
+    result array, which the results are typed with after.
+
+    What a transform reads from its context beside its arguments travels too: the skip
+    predicate of a loss scaler, and the sources of values derived from them elementwise
+    (:mod:`jaxscale._src.deferred`), each retyped as the arguments are."""
+    leaves, tree = jax.tree.flatten(arguments)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:  # (a step traced outside jax.set_mesh: the arrays' own mesh)
+        mesh = next(_mesh_of(a) for a in leaves if explicit_spec(a) is not None)
+    kinds = zip(mesh.axis_names, mesh.axis_types, strict=True)
+    automatic = mesh.update_axis_types({name: AUTO for name, kind in kinds if kind == EXPLICIT})
+    chains = [elementwise_chain(a) for a in leaves]
+    predicate = skip_predicate()
+    with jax.sharding.use_abstract_mesh(automatic), contextlib.ExitStack() as stack:
+        # each array retyped once, so that one passed twice (the masters a writer
+        # keeps, which its optimizer reads as the parameters) is one value inside
+        done: dict[int, tuple[Any, Any]] = {}
+
+        def retyped(array: Any) -> Any:
+            if not isinstance(array, jax.Array):
+                return array
+            if id(array) not in done:
+                typed = jax.sharding.reshard(array, PartitionSpec())
+                spec = explicit_spec(array)
+                if spec is not None:
+                    sharding = NamedSharding(automatic, spec)
+                    typed = jax.lax.with_sharding_constraint(typed, sharding)
+                done[id(array)] = (array, typed)
+            return done[id(array)][1]
+
+        inputs = [retyped(a) for a in leaves]
+        stack.enter_context(arguments_retyped(list(zip(leaves, inputs, strict=True))))
+        stack.enter_context(skip_predicate_as(retyped(predicate)))
+        for chain, derived in zip(chains, inputs, strict=True):
+            if chain is not None:  # its source and constants retyped as the arguments
+                source, steps = chain
+                steps = [(f, tuple(retyped(c) for c in constants)) for f, constants in steps]
+                inside = retyped(source)
+                stack.enter_context(arguments_retyped([(source, inside)]))
+                stack.enter_context(
+                    derived_elementwise(derived, inside, functools.partial(applied, steps))
+                )
+        results = function(*jax.tree.unflatten(tree, inputs))
+        out_specs = result_specs(results)
+
+    def typed_back(result: Any, spec: PartitionSpec | None) -> Any:
+        if not isinstance(result, jax.Array):
+            return result
+        return jax.sharding.reshard(result, NamedSharding(mesh, spec or PartitionSpec()))
+
+    return jax.tree.map(typed_back, results, out_specs)
+
+
+def _mesh_of(array: Any) -> Any:
+    sharding = getattr(array, "sharding", None) if not isinstance(array, jax.core.Tracer) else None
+    if isinstance(sharding, NamedSharding):  # a concrete array's: its devices
+        return sharding.mesh
+    return jax.typeof(array).sharding.mesh
+
+
+def _size(mesh: Any, name: Any) -> int:
+    names = name if isinstance(name, tuple) else (name,)
+    return math.prod(dict(mesh.shape)[n] for n in names)
