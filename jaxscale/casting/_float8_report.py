@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale._src.explicit_axes import foreign_mesh, replicated_here
 from jaxscale._src.jaxprs import dot_dimension_numbers
 from jaxscale._src.stateful_call import TracedCall
 from jaxscale.casting._autocast import _check_key, _validated_dtype
@@ -393,7 +394,9 @@ def _hook(
             return _reference(lhs, rhs, dims)
         row, layers = rows[index]
         site_key = None if key is None else jax.random.fold_in(key, index)
-        probe = probes[row] if layers is None else probes[row + autocaster.iteration]
+        # (the probes typed for a matmul computed with explicit mesh axes made automatic)
+        here = probes if foreign_mesh(probes) is None else replicated_here(probes)
+        probe = here[row] if layers is None else here[row + autocaster.iteration]
         on_the_left = weight_on_the_left(autocaster.origin_of(lhs), autocaster.origin_of(rhs))
         return _measured(lhs, rhs, probe, dims, recipe, dtype, site_key, on_the_left)
 

@@ -66,6 +66,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale._src.explicit_axes import (
+    explicit_spec_of_type,
+    first_explicitly_sharded,
+    on_automatic_axes,
+)
 from jaxscale._src.frames import location
 from jaxscale._src.jaxprs import (
     bind_in_context,
@@ -567,7 +572,10 @@ class Autocaster:
         """The result of a matmul that runs as something other than itself: a float8
         recipe's, or one whose operands' gradients come out in float32; else ``None``."""
         if self.matmul_hook is not None and eqn.primitive.name == "dot_general":
-            measured = self.matmul_hook(self, eqn, invals)
+            hook = self.matmul_hook
+            measured = self._as_the_matmul(
+                eqn, lambda lhs, rhs: hook(self, eqn, [lhs, rhs]), *invals
+            )
             if measured is not None:
                 return measured
         if self.float8 is not None and self.runs_in_float8(eqn) and self._takes(eqn, invals):
@@ -575,9 +583,13 @@ class Autocaster:
             # quantized from its own precision, the result in the autocast dtype
             lhs = self.cast(invals[0], self.dtype, in_tags[0])
             key = None if self.key is None else jax.random.fold_in(self.key, self.site_count - 1)
-            return float8_dot_general(
-                lhs, invals[1], dot_dimension_numbers(eqn), self.float8, self.dtype, key
+            matmul = functools.partial(
+                float8_dot_general,
+                dimension_numbers=dot_dimension_numbers(eqn),
+                recipe=self.float8,
+                out_dtype=self.dtype,
             )
+            return self._as_the_matmul(eqn, matmul, lhs, invals[1], key=key)
         floating = [v for v in invals if is_floating(v.dtype)]
         if self._keeps_float32_gradients(eqn, floating, traced):
             return dot_with_float32_gradients(
@@ -585,6 +597,25 @@ class Autocaster:
                 parameters(eqn).get("precision"),
             )  # fmt: skip
         return None
+
+    def _as_the_matmul(
+        self, eqn: Any, function: Callable[..., Any], *operands: Any, **keys: Any
+    ) -> Any:
+        """``function(*operands, **keys)``, the result of the matmul ``eqn`` computed
+        another way (a float8 recipe's, a report's measurement). On explicit mesh axes it
+        is computed with them made automatic (its blocks and scales follow no sharding
+        type rule), its result typed as the matmul's, and the operands it receives known
+        as those they stand for (a weight's name, its axes)."""
+        if first_explicitly_sharded(*operands) is None:
+            return function(*operands, **keys)
+
+        def inside(operands: tuple[Any, ...], keys: dict[str, Any]) -> Any:
+            self.follow(operands, outside)
+            return function(*operands, **keys)
+
+        outside = operands
+        spec = explicit_spec_of_type(eqn.outvars[0].aval)
+        return on_automatic_axes(inside, (operands, keys), lambda _: spec)
 
     def _cast_operands(
         self, eqn: Any, precision: Precision, invals: list[Any], in_tags: list[Tag],

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale._src.explicit_axes import foreign_mesh, replicated_here
 from jaxscale._src.jaxprs import is_ref, is_traced, name_stack_text
 from jaxscale._src.leaves import read_references
 from jaxscale._src.scopes import in_float8_matmul
@@ -284,8 +285,11 @@ class Locator(CarryingEvaluator):
         if isinstance(info, _Deferred):
             code = self._known_code(info.value)
             assert code is not None  # computed by _compute_codes
-            return code
-        return jnp.asarray(info, jnp.int32)
+        else:
+            code = jnp.asarray(info, jnp.int32)
+        # (computed on another mesh, inside a region with explicit axes made automatic:
+        # retyped for the vector it joins here)
+        return code if foreign_mesh(code) is None else replicated_here(code)
 
     def add(self, origin: Origin) -> int:
         self.origins.append(origin)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale._src.explicit_axes import foreign_mesh, on_mesh, replicated_here
 from jaxscale._src.frames import Location
 from jaxscale._src.jaxprs import is_traced
 from jaxscale.core.shared import NonfiniteRecord, empty_nonfinite_record
@@ -159,37 +160,55 @@ def nonfinite_codes(values: list[Any]) -> list[jax.Array]:
     the values of one shape and dtype, a few at a time, in one reduction of several
     operands (which XLA's CPU backend also leaves whole, where it splits a reduction of
     one operand into three kernels)."""
-    groups: dict[tuple[Any, Any], list[int]] = {}
+    groups: dict[tuple[Any, Any, Any], list[int]] = {}
     for i, value in enumerate(values):
-        groups.setdefault((np.shape(value), np.dtype(value.dtype)), []).append(i)
+        key = (np.shape(value), np.dtype(value.dtype), foreign_mesh(value))
+        groups.setdefault(key, []).append(i)
     codes: list[Any] = [None] * len(values)
-    for members in groups.values():
-        for start in range(0, len(members), _CODES_PER_REDUCTION):
-            chunk = members[start : start + _CODES_PER_REDUCTION]
-            # each element's bits, or-ed together per value
-            bits = tuple(_bits(values[i]) for i in chunk)
-            reduced = lax.reduce(
-                bits, (np.int8(0),) * len(bits), _bitwise_or_each, tuple(range(bits[0].ndim))
-            )
-            for i, code in zip(chunk, reduced, strict=True):
-                codes[i] = code.astype(jnp.int32)
+    for (_, _, mesh), members in groups.items():
+        # a value computed on a mesh of other axis types (a float8 matmul's, made with
+        # explicit axes automatic) is checked on its own, its codes retyped after
+        with on_mesh(mesh):
+            _codes_of_group(values, members, codes)
+        for i in members if mesh is not None else ():
+            codes[i] = replicated_here(codes[i])
     return codes
 
 
-def _bitwise_or_each(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(lax.bitwise_or(x, y) for x, y in zip(a, b, strict=True))
+def _codes_of_group(values: list[Any], members: list[int], codes: list[Any]) -> None:
+    """:func:`nonfinite_codes` of the ``members`` of ``values`` (one shape and dtype),
+    written into ``codes``."""
+    if members:
+        for start in range(0, len(members), _CODES_PER_REDUCTION):
+            chunk = members[start : start + _CODES_PER_REDUCTION]
+            # whether each value holds an infinity, and whether a NaN: maxima of each
+            # element's flags (a maximum, which every platform's all-reduce computes
+            # where a value is sharded; XLA's CPU collectives refuse a bitwise or)
+            flags = [flag for i in chunk for flag in _flags(values[i])]
+            reduced = lax.reduce(
+                tuple(flags), (np.int8(0),) * len(flags), _max_each, tuple(range(flags[0].ndim))
+            )
+            for k, i in enumerate(chunk):
+                infinity, nan = reduced[2 * k], reduced[2 * k + 1]
+                codes[i] = infinity.astype(jnp.int32) * INF + nan.astype(jnp.int32) * NAN
 
 
-def _bits(value: Any) -> jax.Array:
-    """Each element's code as int8, in ``lax`` operations: ``jnp.isnan`` and friends are
-    jitted functions, each a function of its own in the lowered program, and a located
-    program reads hundreds of values."""
+def _max_each(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(lax.max(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _flags(value: Any) -> tuple[jax.Array, jax.Array]:
+    """Whether each element is infinite, and whether it is a NaN, as int8 (0 or 1), in
+    ``lax`` operations: ``jnp.isnan`` and friends are jitted functions, each a function
+    of its own in the lowered program, and a located program reads hundreds of values."""
     value = jnp.asarray(value)
-    code = lax.full_like(value, 0, jnp.int8)
     if _has_infinity(value.dtype):
-        infinity = lax.full_like(value, np.inf)
-        code = lax.select(lax.eq(lax.abs(value), infinity), lax.full_like(code, INF), code)
-    return lax.select(lax.ne(value, value), lax.full_like(code, NAN), code)
+        infinity = lax.convert_element_type(
+            lax.eq(lax.abs(value), lax.full_like(value, np.inf)), jnp.int8
+        )
+    else:
+        infinity = lax.full_like(value, 0, jnp.int8)
+    return infinity, lax.convert_element_type(lax.ne(value, value), jnp.int8)
 
 
 def _has_infinity(dtype: Any) -> bool:

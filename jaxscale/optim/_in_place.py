@@ -50,6 +50,11 @@ from jax import lax
 from jaxscale._src.cpu_backend import slices_bfloat16_in_place
 from jaxscale._src.deferred import elementwise_origin
 from jaxscale._src.elementwise import ElementwiseProgram
+from jaxscale._src.explicit_axes import (
+    explicit_spec,
+    first_explicitly_sharded,
+    on_automatic_axes,
+)
 from jaxscale._src.jaxprs import is_staged_argument
 from jaxscale.core import skip_applied, skip_predicate
 from jaxscale.optim._blockwise import (
@@ -59,11 +64,6 @@ from jaxscale.optim._blockwise import (
     by_leading_axes,
     dequantize_rows,
     quantize_rows,
-)
-from jaxscale.optim._explicit_axes import (
-    explicit_spec,
-    first_explicitly_sharded,
-    on_automatic_axes,
 )
 from jaxscale.optim._handed_down import claim
 

@@ -19,9 +19,16 @@ import numpy as np
 import optax
 
 from jaxscale._src.deferred import derived_elementwise
+from jaxscale._src.explicit_axes import (
+    divisible_names,
+    explicit_spec,
+    placed_like,
+    spec_for_shape,
+)
 from jaxscale._src.jaxprs import flattened_program, initial_values
 from jaxscale._src.validation import dtype_name
 from jaxscale.optim._blockwise import (
+    BlockFormat,
     BlockLayout,
     _checked_block_size,
     block_layout,
@@ -33,7 +40,6 @@ from jaxscale.optim._blockwise import (
     quantize_rows,
     value_shape,
 )
-from jaxscale.optim._explicit_axes import explicit_spec, placed_like, spec_for_shape
 from jaxscale.optim._in_place import AS_IS, CPU_SLICE, Slot, update_in_place
 from jaxscale.optim._kahan import KahanSummationState
 from jaxscale.optim._master_weights import MasterWeightsState
@@ -253,8 +259,15 @@ def low_precision_state(
         else:
             codes, scale = _filled(slot, fill)
         codes, scale = _typed_like(codes, leaf), _typed_like(scale, leaf)
+        # a variable's sharding names: on explicit mesh axes, its array's type's (an axis
+        # whose length its devices do not divide is not named there)
         return BlockQuantized(
-            holding(node, codes), holding(node, scale, out_sharding=_scale_sharding(node, layout))
+            holding(
+                node, codes, out_sharding=_typed_names(codes, leaf) or _codes_sharding(node, fmt)
+            ),
+            holding(
+                node, scale, out_sharding=_typed_names(scale, leaf) or _scale_sharding(node, layout)
+            ),
         )
 
     def slot_of(path: tuple[Any, ...], stored: Any, unsigned: set) -> Slot:
@@ -389,16 +402,37 @@ def _init_origins(init: Any, params: Any) -> list[_Origin]:
     return initial_values(invars, outvars, equations)
 
 
+def _typed_names(array: Any, leaf: Any) -> tuple[Any, ...] | None:
+    """The sharding names of ``array``'s type, one per axis, where ``leaf`` (the state
+    leaf it stores) is sharded along explicit mesh axes; else ``None``."""
+    if explicit_spec(leaf) is None:
+        return None
+    spec = tuple(jax.typeof(array).sharding.spec)
+    return (*spec, *(None,) * (np.ndim(array) - len(spec)))
+
+
+def _codes_sharding(node: Any, fmt: BlockFormat) -> tuple[Any, ...] | None:
+    """The sharding names of a leaf's codes: the leaf's own, each where the mesh's
+    devices divide the codes' length along it (``"int4"`` halves the last axis)."""
+    names = sharding_names(node)
+    if names is None:
+        return None
+    leaf = value_of(node)
+    return divisible_names(names, codes_shape(np.shape(leaf), fmt), leaf)
+
+
 def _scale_sharding(node: Any, layout: BlockLayout) -> tuple[Any, ...] | None:
     """The sharding names of a leaf's scales (``shape[:k] + (blocks,)``): the leaf's own
     for its leading axes, and for the blocks the name of the first trailing axis when
-    no later one is sharded."""
+    no later one is sharded; each where the mesh's devices divide the scales' length
+    along it (Flax places a variable by its names, and refuses a length they do not
+    divide: a 256 x 512 layer's scales are 256 x 2, its columns sharded 4 ways)."""
     names = sharding_names(node)
     if names is None:
         return None
     k = len(layout.scale_shape) - 1
     last = names[k] if all(name is None for name in names[k + 1 :]) else None
-    return (*names[:k], last)
+    return divisible_names((*names[:k], last), layout.scale_shape, value_of(node))
 
 
 def _slot_tree(slot_of: Any, stored: Any, path: tuple[Any, ...] = ()) -> Any:

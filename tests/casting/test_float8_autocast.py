@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,10 +12,11 @@ import optax
 import pytest
 from flax import nnx
 from support.model_training import matmul_dtypes
+from support.sharded_mlp import sharded_mlp
 from support.third_party import standard_promotion
 
 import jaxscale
-from jaxscale.casting import RECIPES, Cast, Float8Recipe
+from jaxscale.casting import RECIPES, Cast, Float8Recipe, MXRecipe
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
@@ -141,3 +145,55 @@ def test_a_custom_recipe_and_bad_recipes():
         jaxscale.autocast(linear, float8="blockwise")
     with pytest.raises(ValueError, match="one operand in float8 and one in high precision"):
         Float8Recipe("broken", Cast(), None, Cast(), Cast(), None, None)
+
+
+# -- a mesh with explicit axes (sharding in types, jax.make_mesh's default) ----------------------
+
+
+def _sharded_gradients(kind, recipe):
+    """The loss, its gradients and the compiled step's collectives (kind and dtype) of
+    the sharding guide's two layers under ``autocast(float8=recipe)`` on a 2 x 4 mesh of
+    ``kind`` axes."""
+    with sharded_mlp(kind) as (model, x):
+
+        def loss(model, x):
+            return jnp.mean(model(x).astype(F32) ** 2)
+
+        draws = recipe == "nvfp4" or getattr(recipe, "stochastic_gradients", False)
+        key = {"key": jax.random.key(3)} if draws else {}
+        cast = jaxscale.autocast(loss, dtype=BF16, float8=recipe, **key)
+        step = jax.jit(nnx.value_and_grad(cast))
+        value, grads = step(model, x)
+        text = step.lower(model, x).compile().as_text()
+    found = re.findall(r"= (\w+)\[[0-9,]*\]\{[0-9,]*\} (all-\w+|collective-permute)", text)
+    return float(value), [np.asarray(g, F32) for g in jax.tree.leaves(grads)], sorted(found)
+
+
+EXPLICIT_RECIPES = {
+    **{name: name for name in [*RECIPES, "mxfp8", "mxfp8_wgrad_with_hp", "nvfp4"]},
+    "rowwise, stochastic gradients": dataclasses.replace(
+        RECIPES["rowwise"], stochastic_gradients=True
+    ),
+    "mxfp8, gathered in MX": MXRecipe("mxfp8", all_gather_in_mx=True),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPLICIT_RECIPES))
+def test_a_recipe_on_explicit_mesh_axes_computes_what_it_computes_on_automatic_ones(name):
+    # Every recipe raised JAX's sharding type errors on jax.make_mesh's default axes (its
+    # operands' transposes, blocks and scales follow no type rule): its matmul now runs
+    # with the axes made automatic, its result typed as the matmul's
+    recipe = EXPLICIT_RECIPES[name]
+    explicit = _sharded_gradients(jax.sharding.AxisType.Explicit, recipe)
+    if name == "mxfp8, gathered in MX":
+        # the weights made whole as MX: what mxfp8 computes on the same mesh, bit for
+        # bit (on automatic axes XLA's partitioner, free to place the second layer's
+        # contraction, gathers its activations instead of reducing its partial sums:
+        # another summation order)
+        expected = _sharded_gradients(jax.sharding.AxisType.Explicit, "mxfp8")
+    else:
+        expected = _sharded_gradients(jax.sharding.AxisType.Auto, recipe)
+        assert explicit[2] == expected[2]  # the same collectives, of the same dtypes
+    assert explicit[0] == expected[0]
+    for a, b in zip(expected[1], explicit[1], strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from support.model_training import matmul_dtypes
+from support.sharded_mlp import sharded_mlp
 
 import jaxscale
 from jaxscale.casting import float8_report
@@ -354,3 +355,27 @@ def test_a_model_stepped_in_a_checkpointed_loop_is_refused_with_the_reason():
         ("bfloat16", "bfloat16", "bfloat16"): 2,
     }
     assert np.isfinite(jax.grad(fn)(PARAMS, X)["body"]).all()
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "mxfp8"])
+def test_a_report_on_explicit_mesh_axes_is_the_report_on_automatic_ones(recipe):
+    # Flax's sharding guide's two layers: on jax.make_mesh's default axes the report's
+    # float32 reference raised JAX's sharding type error (a contraction over a sharded
+    # axis names its result's sharding there), and its probes met values typed on
+    # another mesh inside the recipe's matmul
+    reports = {}
+    for kind in (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit):
+        with sharded_mlp(kind) as (model, x):
+            reports[kind] = float8_report(
+                lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2),
+                model,
+                x,
+                dtype=jnp.bfloat16,
+                recipe=recipe,
+            )
+    automatic, explicit = reports.values()
+    assert [m.site.weight for m in explicit.matmuls] == ["[0]['up'].value", "[0]['down'].value"]
+    for a, b in zip(automatic.matmuls, explicit.matmuls, strict=True):
+        assert a.site.weight == b.site.weight
+        figures = ("output", "input_grad", "weight_grad", "flushed", "saturated", "flops")
+        assert [getattr(a, f) for f in figures] == [getattr(b, f) for f in figures]

@@ -27,6 +27,7 @@ from support.model_training import (
     equations,
     padded_tokens,
 )
+from support.sharded_mlp import sharded_mlp
 
 import jaxscale
 
@@ -409,31 +410,10 @@ def test_a_scaled_step_under_an_explicit_sharding_mesh_skips_bitwise():
         assert float(scaler.get_scale()) == 2.0**7
 
 
-class _ShardedMLP(nnx.Module):
-    """Two layers partitioned as Flax's sharding guide partitions them: the first's
-    columns and the second's rows along ``model``."""
-
-    def __init__(self, rngs: nnx.Rngs, explicit: bool):
-        init = nnx.initializers.lecun_normal()
-        self.up = nnx.Param(init(rngs.params(), (256, 1024)), out_sharding=(None, "model"))
-        self.down = nnx.Param(init(rngs.params(), (1024, 256)), out_sharding=("model", None))
-        self.explicit = explicit
-
-    def __call__(self, x):
-        hidden = nnx.relu(x @ self.up)
-        if self.explicit:  # (a contraction over a sharded axis names its result's sharding)
-            return jnp.matmul(hidden, self.down, out_sharding=P("data", None))
-        return hidden @ self.down
-
-
 def _sharded_mlp_trained(kind, make_tx, steps=2):
-    mesh = machine.mesh((2, 4), ("data", "model"), axis_types=(kind,) * 2)
-    with jax.set_mesh(mesh):
-        model = nnx.jit(lambda: _ShardedMLP(nnx.Rngs(0), kind == AxisType.Explicit))()
+    with sharded_mlp(kind, batch=8) as (model, x):
         optimizer = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
-        key_x, key_y = jax.random.split(jax.random.key(1))
-        x = jax.device_put(jax.random.normal(key_x, (8, 256)), P("data"))
-        y = jax.device_put(jax.random.normal(key_y, (8, 256)), P("data"))
+        y = jnp.cos(x)
 
         @nnx.jit
         def step(model, optimizer, x, y):
@@ -464,6 +444,24 @@ def test_low_precision_state_in_nnx_optimizer_on_an_explicit_sharding_mesh(fmt):
         trimmed = [t[: max((i + 1 for i, n in enumerate(t) if n), default=0)] for t in trimmed]
         assert trimmed[0] == trimmed[1]
     assert any("model" in tuple(leaf.sharding.spec) for leaf in explicit[2])
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
+def test_a_quantized_state_whose_blocks_its_devices_do_not_divide_is_placed(kind):
+    # A 256 x 512 layer with its columns over 4 devices holds 2 blocks of 256 per row: its
+    # scales (256 x 2) were named as the columns, and Flax, placing each variable by its
+    # names, raised an IndivisibleError while nnx.Optimizer was being built
+    with sharded_mlp(kind) as (model, _):
+        optimizer = nnx.Optimizer(
+            model, jaxscale.low_precision_state(optax.adamw(1e-3), "int8"), wrt=nnx.Param
+        )
+        mu = optimizer.opt_state.inner_state[0].mu
+        up, down = mu["up"], mu["down"]
+        assert up.scale.get_metadata()["out_sharding"] == (None, None)
+        assert up.codes.get_metadata()["out_sharding"] == (None, "model")
+        assert up.codes[...].sharding.spec == P(None, "model")
+        # (the second layer's rows, sharded, each hold their own blocks)
+        assert down.scale.get_metadata()["out_sharding"] == ("model", None)
 
 
 @functools.cache

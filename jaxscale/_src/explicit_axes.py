@@ -2,12 +2,13 @@
 
 On such a mesh each array's type names its sharding, and every operation must say how
 its result is sharded where JAX cannot infer it. The low-precision state's slice loop
-reshapes, slices and recomputes its arrays piece by piece, which JAX's type rules do
-not follow; it runs with the mesh's axes made automatic for its duration
+reshapes, slices and recomputes its arrays piece by piece, and a float8 recipe's matmul
+reshapes its operands into blocks and reduces them to scales, none of which JAX's type
+rules follow; each runs with the mesh's axes made automatic for its duration
 (:func:`on_automatic_axes`), each array constrained to the sharding its type had, so
-that XLA's partitioner places every slice where its array lies and the step
-communicates nothing, as it does on a mesh with automatic axes. The state ``init``
-makes is typed with the shardings of the leaves it stands for (:func:`placed_like`).
+that XLA's partitioner places what is computed from it where it lies, as on a mesh with
+automatic axes. The state ``init`` makes is typed with the shardings of the leaves it
+stands for (:func:`placed_like`).
 """
 
 from __future__ import annotations
@@ -33,9 +34,15 @@ def explicit_spec(array: Any) -> PartitionSpec | None:
     """The partition spec of ``array``'s type where it names an explicit mesh axis,
     else ``None`` (a replicated array, an automatic mesh, no mesh, no array)."""
     try:
-        sharding = getattr(jax.typeof(array), "sharding", None)
+        aval = jax.typeof(array)
     except TypeError:  # (not an array)
         return None
+    return explicit_spec_of_type(aval)
+
+
+def explicit_spec_of_type(aval: Any) -> PartitionSpec | None:
+    """:func:`explicit_spec` of an abstract value (a traced variable's type)."""
+    sharding = getattr(aval, "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     spec = getattr(sharding, "spec", None)
     if spec is None or not any(kind == EXPLICIT for kind in getattr(mesh, "axis_types", ())):
@@ -135,6 +142,53 @@ def on_automatic_axes(
         return jax.sharding.reshard(result, NamedSharding(mesh, spec or PartitionSpec()))
 
     return jax.tree.map(typed_back, results, out_specs)
+
+
+def foreign_mesh(array: Any) -> Any:
+    """The abstract mesh of ``array``'s type where it is not the current one (a value
+    computed inside :func:`on_automatic_axes`, seen from outside), else ``None``."""
+    current = jax.sharding.get_abstract_mesh()
+    mesh = getattr(getattr(jax.typeof(array), "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty or current.empty or mesh == current:
+        return None
+    return mesh
+
+
+def on_mesh(mesh: Any) -> Any:
+    """A context in which ``mesh`` (from :func:`foreign_mesh`) is the current abstract
+    mesh; none where it is ``None``."""
+    return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh)
+
+
+def replicated_here(array: Any) -> Any:
+    """``array`` (typed on another mesh, :func:`foreign_mesh`) typed replicated on the
+    current mesh."""
+    current = NamedSharding(jax.sharding.get_abstract_mesh(), PartitionSpec())
+    return jax.sharding.reshard(array, current)
+
+
+def divisible_names(names: tuple[Any, ...], shape: tuple[int, ...], like: Any) -> tuple[Any, ...]:
+    """Sharding ``names`` for an array of ``shape``, each name dropped where its mesh axes'
+    size does not divide its axis's length. The mesh is that of ``like`` (a concrete
+    array's, or its type's), else the current one; with none known, ``names`` as they
+    are."""
+    mesh = None
+    with contextlib.suppress(AttributeError, TypeError):  # (no mesh in its type)
+        mesh = _mesh_of(like)
+    if mesh is None or mesh.empty:
+        mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return names
+    sizes = dict(mesh.shape)
+
+    def divides(name: Any, length: int) -> bool:
+        axes = name if isinstance(name, tuple) else (name,)
+        return all(a in sizes for a in axes) and length % math.prod(sizes[a] for a in axes) == 0
+
+    return tuple(
+        name if name is None or divides(name, length) else None
+        for name, length in zip(names, shape, strict=True)
+    )
 
 
 def _mesh_of(array: Any) -> Any:
