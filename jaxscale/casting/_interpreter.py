@@ -592,17 +592,21 @@ class Autocaster:
             return self._as_the_matmul(eqn, matmul, lhs, invals[1], key=key)
         floating = [v for v in invals if is_floating(v.dtype)]
         if self._keeps_float32_gradients(eqn, floating, traced):
-            return dot_with_float32_gradients(
-                invals[0], invals[1], dot_dimension_numbers(eqn), self.dtype,
-                parameters(eqn).get("precision"),
-            )  # fmt: skip
+            dims, precision = dot_dimension_numbers(eqn), parameters(eqn).get("precision")
+            return self._as_the_matmul(
+                eqn,
+                lambda a, b: dot_with_float32_gradients(a, b, dims, self.dtype, precision),
+                invals[0],
+                invals[1],
+            )
         return None
 
     def _as_the_matmul(
         self, eqn: Any, function: Callable[..., Any], *operands: Any, **keys: Any
     ) -> Any:
         """``function(*operands, **keys)``, the result of the matmul ``eqn`` computed
-        another way (a float8 recipe's, a report's measurement). On explicit mesh axes it
+        another way (a float8 recipe's, a report's measurement, one whose operands'
+        gradients come out in float32). On explicit mesh axes it
         is computed with them made automatic (its blocks and scales follow no sharding
         type rule), its result typed as the matmul's, and the operands it receives known
         as those they stand for (a weight's name, its axes)."""

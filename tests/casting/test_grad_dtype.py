@@ -16,9 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.sharded_mlp import sharded_mlp
 
 import jaxscale
 
@@ -196,3 +198,23 @@ def test_a_sharded_weight_on_an_explicit_mesh_keeps_its_sharding_in_the_gradient
         assert jax.typeof(grads[1]).sharding.spec == P("model", None)
         reference = jax.jit(jax.grad(jaxscale.autocast(loss), argnums=(0, 1)))(x, w)
     np.testing.assert_allclose(grads[1], reference[1], rtol=0.02, atol=0.02)
+
+
+def test_a_contraction_over_an_explicitly_sharded_axis_computes_what_automatic_axes_do():
+    # Flax's sharding guide's two layers on jax.make_mesh's default axes: the second
+    # layer contracts over the devices' axis and names its result's sharding, which the
+    # matmul that keeps float32 gradients dropped (JAX's sharding type error)
+    results = []
+    for kind in (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit):
+        with sharded_mlp(kind) as (model, x):
+
+            def loss(model, x):
+                return jnp.mean(model(x).astype(F32) ** 2)
+
+            cast = jaxscale.autocast(loss, dtype=jnp.bfloat16, grad_dtype=F32)
+            value, grads = jax.jit(nnx.value_and_grad(cast))(model, x)
+            results.append((float(value), [np.asarray(g) for g in jax.tree.leaves(grads)]))
+    (automatic, automatic_grads), (explicit, explicit_grads) = results
+    assert explicit == automatic
+    for a, b in zip(automatic_grads, explicit_grads, strict=True):
+        np.testing.assert_array_equal(a, b)
