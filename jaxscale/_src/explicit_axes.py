@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale._src.deferred import applied, derived_elementwise, elementwise_chain
@@ -142,6 +143,34 @@ def on_automatic_axes(
         return jax.sharding.reshard(result, NamedSharding(mesh, spec or PartitionSpec()))
 
     return jax.tree.map(typed_back, results, out_specs)
+
+
+def also_on_explicit_axes(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` (a quantizer, or its inverse, of its first argument) computed with
+    explicit mesh axes made automatic where that argument is sharded along them (its
+    reshapes into blocks follow no sharding type rule). Each result is typed as the
+    first argument where it has its shape, else by :func:`spec_for_shape` (scales, a
+    scalar replicated)."""
+
+    @functools.wraps(function)
+    def wrapped(x: Any, *args: Any, **kwargs: Any) -> Any:
+        spec = explicit_spec(x)
+        if spec is None:
+            return function(x, *args, **kwargs)
+
+        def result_spec(result: Any) -> PartitionSpec:
+            shape = tuple(np.shape(result))
+            if shape == tuple(np.shape(x)):
+                return spec
+            return spec_for_shape(spec, x, shape) if shape else PartitionSpec()
+
+        return on_automatic_axes(
+            lambda x, args, kwargs: function(x, *args, **kwargs),
+            (x, args, kwargs),
+            lambda results: jax.tree.map(result_spec, results),
+        )
+
+    return wrapped
 
 
 def foreign_mesh(array: Any) -> Any:

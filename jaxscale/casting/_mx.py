@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale._src.explicit_axes import also_on_explicit_axes
 from jaxscale.casting._stochastic_float8 import stochastic_to_float8
 
 E8M0 = np.dtype(jnp.float8_e8m0fnu)
@@ -46,6 +47,7 @@ SCALE_MODES = ("rceil", "floor")
 _NAN_BYTE, _INFINITY_BYTE = 255, 254
 
 
+@also_on_explicit_axes
 def quantize_mx(
     x: jax.Array,
     dtype: Any = jnp.float8_e4m3fn,
@@ -142,6 +144,7 @@ def quantize_to_mx_blocks(
     return jnp.moveaxis(data, -1, axis), jnp.moveaxis(scale, -1, axis)
 
 
+@also_on_explicit_axes
 def dequantize_mx(
     data: jax.Array, scale: jax.Array, dtype: Any = jnp.float32, *, axis: int = -1
 ) -> jax.Array:

@@ -47,6 +47,7 @@ import numpy as np
 from jax import lax
 
 from jaxscale._src.exact import divide_exactly
+from jaxscale._src.explicit_axes import also_on_explicit_axes
 from jaxscale._src.threefry import random_uniform
 from jaxscale.casting._mx import _divided_by
 
@@ -70,6 +71,7 @@ def nvfp4_per_tensor_scale(amax: Any) -> jax.Array:
     return lax.bitcast_convert_type(_divided_by(amax, 2688.0), jnp.float32)
 
 
+@also_on_explicit_axes
 def quantize_nvfp4(
     x: jax.Array,
     *,
@@ -134,6 +136,7 @@ def quantize_nvfp4(
     return codes, scales.reshape(*x.shape[:-1], x.shape[-1] // 16), decode
 
 
+@also_on_explicit_axes
 def dequantize_nvfp4(
     codes: jax.Array, scales: jax.Array, per_tensor_scale: Any, dtype: Any = jnp.float32
 ) -> jax.Array:

@@ -50,6 +50,7 @@ import numpy as np
 from jax import lax
 
 from jaxscale._src.exact import divide_by_constant, divide_exactly
+from jaxscale._src.explicit_axes import also_on_explicit_axes
 from jaxscale._src.validation import dtype_choice
 from jaxscale.optim import _dynamic_maps
 
@@ -391,6 +392,7 @@ def _nearest_in_map(normalized: jax.Array, table: np.ndarray, signed: bool) -> j
 # -- the public functions -----------------------------------------------------------------------
 
 
+@also_on_explicit_axes
 def quantize_blockwise(
     x: jax.Array,
     dtype: Any,
@@ -462,6 +464,7 @@ def quantize_blockwise(
     return codes.reshape(codes_shape(x.shape, fmt)), scale.reshape(layout.scale_shape)
 
 
+@also_on_explicit_axes
 def dequantize_blockwise(
     codes: jax.Array,
     scale: jax.Array,
