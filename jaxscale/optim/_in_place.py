@@ -257,10 +257,10 @@ def _on_automatic_axes(update: Callable[..., tuple[Any, Any]], *arguments: Any) 
         new_updates, _, handed = results
         state_specs = _specs_of(stored)
         if handed is None:
-            return _specs_like(new_updates, updates), state_specs, None
+            return _specs_like(new_updates, updates, *rest), state_specs, None
         written, _ = handed
-        handed_specs = (_specs_like(written, updates), _specs_of(beside))
-        return _specs_like(new_updates, updates), state_specs, handed_specs
+        handed_specs = (_specs_like(written, updates, *rest), _specs_of(beside))
+        return _specs_like(new_updates, updates, *rest), state_specs, handed_specs
 
     beside = None if step is None else step.beside
     new_updates, new_stored, handed = on_automatic_axes(
@@ -279,13 +279,18 @@ def _specs_of(tree: Any) -> Any:
     return jax.tree.unflatten(structure, [explicit_spec(leaf) for leaf in leaves])
 
 
-def _specs_like(results: Any, grads: Any) -> Any:
-    """:func:`_specs_of` the gradients for results of their structure (updates, what a
-    writer wrote); ``None`` (replicated) for each leaf of results shaped otherwise."""
+def _specs_like(results: Any, *candidates: Any) -> Any:
+    """:func:`_specs_of` the first of ``candidates`` (the gradients, the parameters) whose
+    structure and shapes the results have (updates, what a writer wrote: an update of
+    ``optax.lookahead`` is shaped as its parameters); ``None`` (replicated) for each
+    leaf of results shaped as none of them."""
     leaves, structure = jax.tree.flatten(results)
-    grads_leaves, grads_structure = jax.tree.flatten(grads)
-    if cast(Any, structure) == grads_structure:
-        return jax.tree.unflatten(structure, [explicit_spec(leaf) for leaf in grads_leaves])
+    shapes = [np.shape(leaf) for leaf in leaves]
+    for candidate in candidates:
+        candidate_leaves, candidate_structure = jax.tree.flatten(candidate)
+        same = cast(Any, structure) == candidate_structure
+        if same and shapes == [np.shape(leaf) for leaf in candidate_leaves]:
+            return jax.tree.unflatten(structure, [explicit_spec(x) for x in candidate_leaves])
     return jax.tree.unflatten(structure, [None] * len(leaves))
 
 

@@ -1397,6 +1397,40 @@ def test_init_on_explicit_mesh_axes_types_the_state_as_its_parameters(fmt):
         np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
 
 
+@pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
+def test_updates_shaped_as_the_parameters_keep_their_sharding_on_explicit_axes(fmt):
+    # optax.lookahead's updates are shaped as its parameters (fast and slow), not as its
+    # gradients (fast): typed replicated, each update was gathered to every device
+    def trained(kind):
+        mesh = mesh_of(kind)
+        lookahead = third_party.optimizer(optax.lookahead(optax.adam(1e-3), 2, 0.5))
+        tx = jaxscale.low_precision_state(lookahead, fmt)
+        weights = {"w": jax.random.normal(jax.random.key(0), (64, 4096)) * 0.1}
+        params = optax.LookaheadParams.init_synced(
+            jax.device_put(weights, NamedSharding(mesh, P("fsdp")))
+        )
+        with jax.set_mesh(mesh):
+
+            @jax.jit
+            def step(params, state, scale):
+                grads = jax.tree.map(lambda p: jnp.sin(p * scale + 1.0), params.fast)
+                updates, state = tx.update(grads, state, params)
+                return optax.apply_updates(params, updates), state
+
+            state = jax.jit(tx.init)(params)
+            text = step.lower(params, state, jnp.float32(1)).compile().as_text()
+            for k in range(3):
+                params, state = step(params, state, jnp.float32(k + 1))
+        return params, state, COLLECTIVE.findall(text)
+
+    automatic = trained(jax.sharding.AxisType.Auto)
+    explicit = trained(jax.sharding.AxisType.Explicit)
+    for a, b in zip(jax.tree.leaves(automatic[:2]), jax.tree.leaves(explicit[:2]), strict=True):
+        np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
+    assert explicit[2] == automatic[2] == []
+    assert explicit[0].slow["w"].sharding.spec[0] == "fsdp"
+
+
 def test_a_skipped_step_on_explicit_mesh_axes_keeps_the_state_bit_for_bit():
     mesh = mesh_of(jax.sharding.AxisType.Explicit)
     tx = jaxscale.grad_scaler(jaxscale.low_precision_state(adam(), "int8"))
