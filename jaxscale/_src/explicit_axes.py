@@ -14,6 +14,7 @@ stands for (:func:`placed_like`).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import math
 from collections.abc import Callable
@@ -29,6 +30,17 @@ from jaxscale.core import skip_predicate, skip_predicate_as
 
 EXPLICIT = jax.sharding.AxisType.Explicit
 AUTO = jax.sharding.AxisType.Auto
+
+# Whether the trace is inside on_automatic_axes (a program whose mesh has explicit axes)
+_RETYPED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "jaxscale_explicit_axes_made_automatic", default=False
+)
+
+
+def explicit_axes_made_automatic() -> bool:
+    """Whether the operations being traced run inside :func:`on_automatic_axes`: in a
+    program whose mesh's axes are explicit, made automatic for them."""
+    return _RETYPED.get()
 
 
 def explicit_spec(array: Any) -> PartitionSpec | None:
@@ -105,7 +117,9 @@ def on_automatic_axes(
     automatic = mesh.update_axis_types({name: AUTO for name, kind in kinds if kind == EXPLICIT})
     chains = [elementwise_chain(a) for a in leaves]
     predicate = skip_predicate()
+    token = _RETYPED.set(True)
     with jax.sharding.use_abstract_mesh(automatic), contextlib.ExitStack() as stack:
+        stack.callback(_RETYPED.reset, token)
         # each array retyped once, so that one passed twice (the masters a writer
         # keeps, which its optimizer reads as the parameters) is one value inside
         done: dict[int, tuple[Any, Any]] = {}

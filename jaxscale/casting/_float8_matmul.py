@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxscale._src.explicit_axes import explicit_axes_made_automatic
 from jaxscale._src.jaxprs import dot_dimension_numbers
 from jaxscale._src.scopes import FLOAT8_MATMUL
 from jaxscale.casting._float8 import quantize_float8
@@ -325,10 +326,16 @@ def mx_linear(x: jax.Array, w_t: jax.Array, recipe: MXRecipe, out_dtype: Any,
     ``key`` draws the output gradient's stochastic rounding."""
     if not recipe.stochastic_gradients:
         key = None
+    # In a program whose mesh has explicit axes the weight is dequantized as without
+    # all_gather_in_mx (the same values, gathered as the partitioner chooses): JAX 0.12
+    # leaves the partitioned dequantization's sharding annotations there for the
+    # backend, which has no implementation of them. Decided here, where the forward is
+    # traced, for the backward too (traced later, outside the region).
+    gathered = not explicit_axes_made_automatic()
 
     def mx(value: jax.Array, axis: int, key: jax.Array | None = None,
            weight: bool = False) -> jax.Array:  # fmt: skip
-        return _mx_seen(value, axis, recipe, out_dtype, key, weight=weight)
+        return _mx_seen(value, axis, recipe, out_dtype, key, weight=weight and gathered)
 
     def mm(a: jax.Array, b: jax.Array) -> jax.Array:
         return lax.dot_general(
