@@ -26,7 +26,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale._src.deferred import applied, derived_elementwise, elementwise_chain
 from jaxscale._src.jaxprs import arguments_retyped
-from jaxscale.core import skip_predicate, skip_predicate_as
 
 EXPLICIT = jax.sharding.AxisType.Explicit
 AUTO = jax.sharding.AxisType.Auto
@@ -98,7 +97,10 @@ def placed_like(array: Any, like: Any, spec: PartitionSpec) -> Any:
 
 
 def on_automatic_axes(
-    function: Callable[..., Any], arguments: tuple[Any, ...], result_specs: Callable[[Any], Any]
+    function: Callable[..., Any],
+    arguments: tuple[Any, ...],
+    result_specs: Callable[[Any], Any],
+    within: Callable[[Callable[[Any], Any]], list[Any]] | None = None,
 ) -> Any:
     """``function(*arguments)`` with the explicit axes of the arguments' mesh made
     automatic while it runs: each argument array is constrained to the sharding its type
@@ -106,9 +108,11 @@ def on_automatic_axes(
     ``result_specs(results)`` gives a partition spec (or ``None``: replicated) for each
     result array, which the results are typed with after.
 
-    What a transform reads from its context beside its arguments travels too: the skip
-    predicate of a loss scaler, and the sources of values derived from them elementwise
-    (:mod:`jaxscale._src.deferred`), each retyped as the arguments are."""
+    What a transform reads from its context beside its arguments travels too: the
+    sources of values derived from them elementwise (:mod:`jaxscale._src.deferred`),
+    retyped as the arguments are, and the context managers ``within(retype)`` returns
+    (a loss scaler's skip predicate, retyped by the function it is given), entered
+    while ``function`` runs."""
     leaves, tree = jax.tree.flatten(arguments)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:  # (a step traced outside jax.set_mesh: the arrays' own mesh)
@@ -116,7 +120,6 @@ def on_automatic_axes(
     kinds = zip(mesh.axis_names, mesh.axis_types, strict=True)
     automatic = mesh.update_axis_types({name: AUTO for name, kind in kinds if kind == EXPLICIT})
     chains = [elementwise_chain(a) for a in leaves]
-    predicate = skip_predicate()
     token = _RETYPED.set(True)
     with jax.sharding.use_abstract_mesh(automatic), contextlib.ExitStack() as stack:
         stack.callback(_RETYPED.reset, token)
@@ -138,7 +141,8 @@ def on_automatic_axes(
 
         inputs = [retyped(a) for a in leaves]
         stack.enter_context(arguments_retyped(list(zip(leaves, inputs, strict=True))))
-        stack.enter_context(skip_predicate_as(retyped(predicate)))
+        for context in within(retyped) if within is not None else ():
+            stack.enter_context(context)
         for chain, derived in zip(chains, inputs, strict=True):
             if chain is not None:  # its source and constants retyped as the arguments
                 source, steps = chain

@@ -56,7 +56,7 @@ from jaxscale._src.explicit_axes import (
     on_automatic_axes,
 )
 from jaxscale._src.jaxprs import is_staged_argument
-from jaxscale.core import skip_applied, skip_predicate
+from jaxscale.core import skip_applied, skip_predicate, skip_predicate_as
 from jaxscale.optim._blockwise import (
     BlockFormat,
     BlockLayout,
@@ -262,9 +262,13 @@ def _on_automatic_axes(update: Callable[..., tuple[Any, Any]], *arguments: Any) 
         handed_specs = (_specs_like(written, updates, *rest), _specs_of(beside))
         return _specs_like(new_updates, updates, *rest), state_specs, handed_specs
 
+    def within(retyped: Callable[[Any], Any]) -> list[Any]:
+        # a loss scaler's skip predicate, which the loop reads for each slice
+        return [skip_predicate_as(retyped(skip_predicate()))]
+
     beside = None if step is None else step.beside
     new_updates, new_stored, handed = on_automatic_axes(
-        computed, (updates, stored, rest, beside), specs
+        computed, (updates, stored, rest, beside), specs, within
     )
     if step is not None and handed is not None:
         step.updates = jax.tree.leaves(new_updates)
