@@ -286,10 +286,12 @@ class Locator(CarryingEvaluator):
             code = self._known_code(info.value)
             assert code is not None  # computed by _compute_codes
         else:
-            code = jnp.asarray(info, jnp.int32)
+            code = info
         # (computed on another mesh, inside a region with explicit axes made automatic:
-        # retyped for the vector it joins here)
-        return code if foreign_mesh(code) is None else replicated_here(code)
+        # retyped for the vector it joins here, before any operation on it)
+        if foreign_mesh(code) is not None:
+            code = replicated_here(code)
+        return jnp.asarray(code, jnp.int32)
 
     def add(self, origin: Origin) -> int:
         self.origins.append(origin)
