@@ -1326,8 +1326,18 @@ def spec_names(array):
     return names
 
 
-@pytest.mark.parametrize("gradients", ["given", "computed in the step"])
-@pytest.mark.parametrize("name", list(EXPLICIT_TRANSFORMS))
+def explicit_sweep():
+    """Each transform with its gradients passed to the step, and int8's computed in it.
+    The other transforms' steps with gradients computed in them (each compiled for two
+    shardings on two meshes, 10 to 20 s on a 2-core machine) are the slow run's."""
+    for name in EXPLICIT_TRANSFORMS:
+        yield pytest.param(name, "given", id=f"{name}-given")
+        marks = () if name == "int8" else (pytest.mark.slow,)
+        computed = "computed in the step"
+        yield pytest.param(name, computed, marks=marks, id=f"{name}-{computed}")
+
+
+@pytest.mark.parametrize(("name", "gradients"), list(explicit_sweep()))
 def test_a_step_on_explicit_mesh_axes_is_the_step_on_automatic_ones(name, gradients, monkeypatch):
     # On jax.make_mesh's default axes (sharding in types) the slice loop raised JAX's
     # sharding type errors: its reshapes, slices and recomputed pieces follow no type
