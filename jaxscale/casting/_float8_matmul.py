@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale._src.explicit_axes import explicit_axes_made_automatic
 from jaxscale._src.jaxprs import dot_dimension_numbers
@@ -152,9 +153,11 @@ class MXRecipe:
         weight's all-gather (FSDP's) moves float8 data and E8M0 scales, about half
         of bfloat16's bytes, where XLA otherwise gathers the dequantized weight. The
         weight is then whole on every device whatever its sharding: for FSDP, not for
-        a weight split for tensor parallelism. A program compiled for several devices
-        with it cannot be serialized by ``jax.export`` (the partitioning is a Python
-        callback). Off by default.
+        a weight split for tensor parallelism. On a mesh with automatic axes a program
+        compiled for several devices with it cannot be serialized by ``jax.export``
+        (the partitioning is a Python callback); on explicit axes the weight is made
+        whole by sharding constraints, and a weight the program gathers itself
+        (``reshard(w, P())``) is gathered as MX. Off by default.
     """
 
     name: str
@@ -171,6 +174,19 @@ MX_RECIPES: dict[str, MXRecipe] = {
 }
 
 Recipe = Float8Recipe | MXRecipe | NVFP4Recipe
+
+
+def quantizes_before_gathering(recipe: Recipe) -> bool:
+    """Whether ``recipe``, given a weight sharded along a mesh axis, makes it whole after
+    quantizing it (float8 data and scales move, not its own dtype): the float8 recipes,
+    whose quantizations XLA's partitioner moves a gather past, and an MX recipe with
+    ``all_gather_in_mx``. An explicit-axes program's own gather of a weight
+    (``reshard(w, P())``) is moved into such a recipe's matmul."""
+    if isinstance(recipe, MXRecipe):
+        return recipe.all_gather_in_mx
+    return isinstance(recipe, Float8Recipe)
+
+
 _NAMED: dict[str, Recipe] = {**RECIPES, **MX_RECIPES, **NVFP4_RECIPES}
 
 
@@ -303,15 +319,20 @@ def float8_linear(x: jax.Array, w_t: jax.Array, recipe: Float8Recipe, out_dtype:
 
 
 def _mx_seen(value: jax.Array, axis: int, recipe: MXRecipe, out_dtype: Any,
-             key: jax.Array | None = None, *, weight: bool = False) -> jax.Array:  # fmt: skip
+             key: jax.Array | None = None, *, weight: bool = False,
+             whole: NamedSharding | None = None) -> jax.Array:  # fmt: skip
     """``value`` quantized to MXFP8 in blocks along ``axis`` and dequantized; a
-    ``weight`` made whole as MX first where the recipe says so."""
+    ``weight`` made whole as MX first where the recipe says so: constrained to ``whole``
+    where it is given (a program on explicit axes), else by custom partitioning."""
     data, scale = quantize_mx(
         value.astype(jnp.float32) if value.dtype != jnp.bfloat16 else value,
         block_size=recipe.block_size, axis=axis, scale_mode=recipe.scale_mode, key=key,
     )  # fmt: skip
     if weight and recipe.all_gather_in_mx:
-        return dequantize_whole(data, scale, out_dtype, axis)
+        if whole is None:
+            return dequantize_whole(data, scale, out_dtype, axis)
+        data = lax.with_sharding_constraint(data, whole)
+        scale = lax.with_sharding_constraint(scale, whole)
     return dequantize_mx(data, scale, out_dtype, axis=axis)
 
 
@@ -326,16 +347,18 @@ def mx_linear(x: jax.Array, w_t: jax.Array, recipe: MXRecipe, out_dtype: Any,
     ``key`` draws the output gradient's stochastic rounding."""
     if not recipe.stochastic_gradients:
         key = None
-    # In a program whose mesh has explicit axes the weight is dequantized as without
-    # all_gather_in_mx (the same values, gathered as the partitioner chooses): JAX 0.12
-    # leaves the partitioned dequantization's sharding annotations there for the
-    # backend, which has no implementation of them. Decided here, where the forward is
-    # traced, for the backward too (traced later, outside the region).
-    gathered = not explicit_axes_made_automatic()
+    # In a program whose mesh has explicit axes the matmul is traced with them made
+    # automatic, and a weight is made whole as MX by sharding constraints on that mesh:
+    # the custom partitioning used elsewhere leaves its sharding annotations there for
+    # the backend (JAX 0.12), which has no implementation of them. Decided here, where
+    # the forward is traced, for the backward too (traced later, outside the region).
+    whole = None
+    if recipe.all_gather_in_mx and explicit_axes_made_automatic():
+        whole = NamedSharding(jax.sharding.get_abstract_mesh(), PartitionSpec())
 
     def mx(value: jax.Array, axis: int, key: jax.Array | None = None,
            weight: bool = False) -> jax.Array:  # fmt: skip
-        return _mx_seen(value, axis, recipe, out_dtype, key, weight=weight and gathered)
+        return _mx_seen(value, axis, recipe, out_dtype, key, weight=weight, whole=whole)
 
     def mm(a: jax.Array, b: jax.Array) -> jax.Array:
         return lax.dot_general(

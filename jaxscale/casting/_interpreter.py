@@ -67,6 +67,7 @@ import numpy as np
 from jax import lax
 
 from jaxscale._src.explicit_axes import (
+    explicit_spec,
     explicit_spec_of_type,
     first_explicitly_sharded,
     on_automatic_axes,
@@ -88,7 +89,12 @@ from jaxscale._src.jaxprs import (
     preferred_element_type,
 )
 from jaxscale.casting import _axes
-from jaxscale.casting._float8_matmul import Recipe, as_rows_and_columns, float8_dot_general
+from jaxscale.casting._float8_matmul import (
+    Recipe,
+    as_rows_and_columns,
+    float8_dot_general,
+    quantizes_before_gathering,
+)
 from jaxscale.casting._float8_matmul import eligible as float8_eligible
 from jaxscale.casting._float32_gradients import dot_with_float32_gradients
 from jaxscale.casting._matmul_site import MatmulSite, checked_answer
@@ -117,8 +123,12 @@ class Tag(enum.Flag):
 # Primitives that move values without arithmetic: what a value is survives them.
 _VIEWS = {"reshape", "transpose", "squeeze", "copy", "name", "device_put", "xla_metadata_value"}
 # Views through which a value is still the argument it came from, for the matmul
-# sites' weight paths (a cast is one: a float32 parameter narrowed to bfloat16).
-_ORIGIN_KEEPING = _VIEWS | {"convert_element_type"}
+# sites' weight paths (a cast is one: a float32 parameter narrowed to bfloat16; so is a
+# change of sharding: a weight made whole on explicit mesh axes, ``reshard(w, P())``).
+_ORIGIN_KEEPING = _VIEWS | {"convert_element_type", "reshard", "sharding_constraint", "mesh_cast"}
+# Equations through which a gathered weight is followed to a float8 matmul, to be
+# quantized before it is gathered (Autocaster._note_gathered)
+_GATHERED_THROUGH = {"transpose", "convert_element_type"}
 
 
 def _one_leading_index(eqn: Any) -> int | None:
@@ -283,6 +293,10 @@ class Autocaster:
         # the paths of the function's arguments, followed through views to the matmuls
         # that use them: {id(value): (value, path)}
         self._origins: dict[int, tuple[Any, str]] = {}
+        # values a program on explicit mesh axes made whole itself (``reshard(w, P())``:
+        # FSDP's all-gather, written out), followed through a transpose or a cast, each
+        # with the same value computed from the shards: {id(value): (value, sharded)}
+        self._gathered: dict[int, tuple[Any, Any]] = {}
         self.site_count = 0
         # the scan iteration (and length) a layer's matmuls are decided for
         self.layer: tuple[int, int] | None = None
@@ -327,6 +341,30 @@ class Autocaster:
 
     def origin_of(self, value: Any) -> str | None:
         entry = self._origins.get(id(value))
+        return entry[1] if entry is not None and entry[0] is value else None
+
+    def _note_gathered(self, eqn: Any, invals: list[Any], outvals: list[Any]) -> None:
+        """Record a value the program made whole from shards on explicit mesh axes, or
+        computed by a transpose or a cast from one, where the float8 recipe would rather
+        gather what it quantizes (:func:`quantizes_before_gathering`)."""
+        name = eqn.primitive.name
+        if len(outvals) != 1 or not invals or self.float8 is None:
+            return
+        if not quantizes_before_gathering(self.float8):
+            return
+        if name == "reshard":
+            if explicit_spec(invals[0]) is not None and explicit_spec(outvals[0]) is None:
+                self._gathered[id(outvals[0])] = (outvals[0], invals[0])
+        elif name in _GATHERED_THROUGH and parameters(eqn).get("sharding") is None:
+            sharded = self.sharded_source(invals[0])
+            if sharded is not None:  # the same equation on the shards (unused, it is dropped)
+                (alternative,) = bind_in_context(eqn, [sharded, *invals[1:]])
+                self._gathered[id(outvals[0])] = (outvals[0], alternative)
+
+    def sharded_source(self, value: Any) -> Any | None:
+        """``value`` computed from the shards it was gathered from, where a program on
+        explicit mesh axes made it whole itself (:meth:`_note_gathered`); else ``None``."""
+        entry = self._gathered.get(id(value))
         return entry[1] if entry is not None and entry[0] is value else None
 
     def axes_of(self, value: Any) -> _axes.Labels | None:
@@ -499,6 +537,7 @@ class Autocaster:
         else:
             outvals, out_tags = self.first_order(eqn, invals, in_tags)
             self._note_axes(eqn, invals, outvals)
+            self._note_gathered(eqn, invals, outvals)
             if name in _ORIGIN_KEEPING and len(outvals) == 1 and invals:
                 self._note_origin(invals[0], outvals[0])
             elif name == "slice" and (layer := _one_leading_index(eqn)) is not None:
@@ -589,7 +628,15 @@ class Autocaster:
                 recipe=self.float8,
                 out_dtype=self.dtype,
             )
-            return self._as_the_matmul(eqn, matmul, lhs, invals[1], key=key)
+            rhs = invals[1]
+            sharded = self.sharded_source(rhs)
+            if sharded is not None:
+                # The weight quantized where it lies and made whole as float8 (XLA's
+                # partitioner moves the gather past a quantization it can see), where
+                # the program's own gather moves it in its dtype: the same values
+                self.follow([sharded], [rhs])
+                rhs = sharded
+            return self._as_the_matmul(eqn, matmul, lhs, rhs, key=key)
         floating = [v for v in invals if is_floating(v.dtype)]
         if self._keeps_float32_gradients(eqn, floating, traced):
             dims, precision = dot_dimension_numbers(eqn), parameters(eqn).get("precision")

@@ -70,6 +70,29 @@ def test_a_plain_function_names_its_weights_by_argument_path_and_its_scopes():
     assert body.names == ("block", "0", "body")
 
 
+def test_a_weight_made_whole_on_explicit_mesh_axes_keeps_its_path():
+    # FSDP on explicit axes gathers each weight itself before its matmul; the gathered
+    # value is still the argument (it had no path, and the input was taken for the weight)
+    from jax.sharding import AxisType, reshard
+    from jax.sharding import PartitionSpec as P
+    from support import machine
+
+    mesh = machine.mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+
+    def model(params, x):
+        h = jnp.tanh(x @ reshard(params["body"], P()))
+        return h @ reshard(params["lm_head"], P())
+
+    with jax.set_mesh(mesh):
+        params = {
+            "body": jax.device_put(jnp.ones((32, 32)), P("fsdp")),
+            "lm_head": jax.device_put(jnp.ones((32, 16)), P("fsdp")),
+        }
+        body, head = recorded(model, params, jax.device_put(X, P("fsdp")))
+    assert body.weight == "[0]['body']"
+    assert head.weight == "[0]['lm_head']"
+
+
 class LinenModel(nn.Module):
     @nn.compact
     def __call__(self, x):

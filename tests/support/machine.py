@@ -17,7 +17,10 @@ device, and a test asks here for what it needs:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -114,3 +117,20 @@ def on_cpu(needs: str = "asserts what XLA's CPU backend compiles") -> Iterator[A
     device = cpu_device(needs)
     with jax.default_device(device):
         yield device
+
+
+def census(script: str) -> Any:
+    """The JSON that ``script`` prints last, run in a process of its own: one that
+    compiles programs to read their HLO from XLA's dumps (its dump flags are read when
+    the process starts; ``sys.argv[1]`` holds :data:`INSPECTION_ONLY_FLAGS`). Without
+    the persistent cache: a program loaded from it is not compiled, and XLA dumps
+    nothing."""
+    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    result = subprocess.run(
+        [sys.executable, "-c", script, INSPECTION_ONLY_FLAGS],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
