@@ -200,6 +200,10 @@ HigherOrderRule = Callable[..., tuple[list[Any], list[Tag]]]
 HIGHER_ORDER: dict[str, HigherOrderRule] = {}
 
 
+def _narrower(dtype: Any, than: Any) -> bool:
+    return bool(np.dtype(dtype).itemsize < np.dtype(than).itemsize)
+
+
 def is_floating(dtype: Any) -> bool:
     try:
         return bool(jnp.issubdtype(dtype, jnp.floating))
@@ -345,12 +349,11 @@ class Autocaster:
 
     def _note_gathered(self, eqn: Any, invals: list[Any], outvals: list[Any]) -> None:
         """Record a value the program made whole from shards on explicit mesh axes, or
-        computed by a transpose or a cast from one, where the float8 recipe would rather
-        gather what it quantizes (:func:`quantizes_before_gathering`)."""
+        computed by a transpose or a cast from one: autocast narrows it before it is
+        gathered, and a float8 recipe that gathers what it quantizes
+        (:func:`quantizes_before_gathering`) quantizes its shards."""
         name = eqn.primitive.name
-        if len(outvals) != 1 or not invals or self.float8 is None:
-            return
-        if not quantizes_before_gathering(self.float8):
+        if len(outvals) != 1 or not invals:
             return
         if name == "reshard":
             if explicit_spec(invals[0]) is not None and explicit_spec(outvals[0]) is None:
@@ -437,7 +440,14 @@ class Autocaster:
         saturate = Tag.CONSTANT in tag and narrows_range(value.dtype, dtype)
         key = (id(value), np.dtype(dtype))
         if key not in self._casts:  # the value is kept in the entry, so its id stays its own
-            narrowed = saturating_cast(value, dtype) if saturate else cast(value, dtype)
+            sharded = self.sharded_source(value)
+            if sharded is not None and not saturate and _narrower(dtype, value.dtype):
+                # a value the program made whole itself (FSDP's gather on explicit axes,
+                # written out): cast where it lies and made whole in ``dtype``, the same
+                # values in fewer bytes (PyTorch FSDP's param_dtype)
+                narrowed = jax.sharding.reshard(cast(sharded, dtype), jax.typeof(value).sharding)
+            else:
+                narrowed = saturating_cast(value, dtype) if saturate else cast(value, dtype)
             self._casts[key] = (value, narrowed)
         return self._casts[key][1]
 
@@ -629,7 +639,9 @@ class Autocaster:
                 out_dtype=self.dtype,
             )
             rhs = invals[1]
-            sharded = self.sharded_source(rhs)
+            sharded = None
+            if quantizes_before_gathering(self.float8):
+                sharded = self.sharded_source(rhs)
             if sharded is not None:
                 # The weight quantized where it lies and made whole as float8 (XLA's
                 # partitioner moves the gather past a quantization it can see), where

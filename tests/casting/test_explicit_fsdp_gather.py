@@ -1,7 +1,8 @@
 """A weight that a program on explicit mesh axes gathers itself, ``reshard(w, P())`` (FSDP
 as JAX's explicit sharding writes it), moves as float8 under the float8 recipes and as
 MX under ``MXRecipe(all_gather_in_mx=True)``: autocast quantizes the shards and gathers
-the float8 data and scales, where the program's gather moved the weight in its dtype."""
+the float8 data and scales, where the program's gather moved the weight in its dtype.
+Without a recipe, the shards are cast to the autocast dtype and gathered in it."""
 
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ RECIPES = {
     "mxfp8_wgrad_with_hp in mx": MXRecipe(
         "mxfp8_wgrad_with_hp", wgrad_with_hp=True, all_gather_in_mx=True),
     "mxfp8": "mxfp8",
+    "no recipe": None,
 }
 CASES = [(name, axis, "") for name in RECIPES for axis in (0, 1)]
 CASES += [("rowwise", 0, "behind a barrier"), ("mxfp8 in mx", 0, "behind a barrier")]
-CASES += [("rowwise", 0, "cast to bfloat16")]
+CASES += [("rowwise", 0, "cast to bfloat16"), ("no recipe", 0, "behind a barrier")]
 PATTERN = re.compile(
     r"= (\\w+)\\[([0-9,]*)\\]\\{[0-9,]*\\} "
     r"(all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)\\("
@@ -124,6 +126,16 @@ def test_a_weight_the_program_gathers_itself_moves_as_float8(collectives, name, 
     assert moved <= 0.53 * 512 * 256 * 4, moved
 
 
+@pytest.mark.parametrize("axis", [0, 1])
+def test_without_a_recipe_the_weight_is_cast_where_it_lies_and_gathered_narrow(collectives, axis):
+    # autocast's cast of the float32 weight to bfloat16 before the gather: half the
+    # bytes (PyTorch FSDP's param_dtype), where the program's gather moved float32
+    gathers, moved = gathered(collectives[f"no recipe axis {axis}"])
+    assert [dtype for dtype, _ in gathers] == ["bf16"]
+    assert moved == 512 * 256 * 2
+    assert gathered(collectives["no recipe axis 0 behind a barrier"])[0] == [("f32", [512, 256])]
+
+
 def test_a_weight_gathered_and_then_cast_is_cast_and_quantized_where_it_lies(collectives):
     gathers, _ = gathered(collectives["rowwise axis 0 cast to bfloat16"])
     assert sorted(shape for dtype, shape in gathers if dtype == "f8e4m3fn") == [
@@ -180,15 +192,16 @@ def explicit_step(recipe, axis, barrier, tied=False):
 
 @pytest.mark.parametrize(
     ("name", "tied"),
-    [("rowwise", False), ("rowwise", True), ("mxfp8 in mx", False)],
-    ids=["rowwise", "rowwise, read outside the matmul too", "mxfp8 in mx"],
+    [("rowwise", False), ("rowwise", True), ("mxfp8 in mx", False), (None, False)],
+    ids=["rowwise", "rowwise, read outside the matmul too", "mxfp8 in mx", "no recipe"],
 )
 def test_the_step_computes_what_it_computed_with_the_programs_own_gather(name, tied):
     # the same values quantized in the same blocks, whole on every device before the
     # matmul: loss and gradients bit for bit, each gradient sharded as its weight
     for axis in (0, 1):
-        value, grads = explicit_step(RECIPES[name], axis, barrier=False, tied=tied)
-        expected_value, expected_grads = explicit_step(RECIPES[name], axis, barrier=True, tied=tied)
+        recipe = RECIPES.get(name)
+        value, grads = explicit_step(recipe, axis, barrier=False, tied=tied)
+        expected_value, expected_grads = explicit_step(recipe, axis, barrier=True, tied=tied)
         np.testing.assert_array_equal(np.asarray(value), np.asarray(expected_value))
         for got, expected in zip(grads, expected_grads, strict=True):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
