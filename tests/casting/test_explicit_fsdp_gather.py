@@ -209,21 +209,24 @@ def test_the_step_computes_what_it_computed_with_the_programs_own_gather(name, t
             assert got.sharding.spec[axis] == "fsdp"
 
 
-def test_on_explicit_axes_a_gather_in_mx_exports_for_cuda():
-    # made whole by sharding constraints, not by a partitioning callback: jax.export
-    # takes the program (on automatic axes it refuses the callback)
+@pytest.mark.parametrize("name", ["mxfp8 in mx", "rowwise", None], ids=str)
+def test_the_step_on_explicit_axes_exports_for_cuda(name):
+    # the weight made whole by sharding constraints, not by a partitioning callback:
+    # jax.export takes the program (on automatic axes it refuses MX's callback), and
+    # what a GPU runs has no loop, conditional or callback
     mesh = machine.mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
 
     def loss(w, x):
         return jnp.sum(jnp.tanh(x @ reshard(w, P()).T).astype(jnp.float32))
 
     with jax.set_mesh(mesh):
-        step = jax.jit(jax.grad(jaxscale.autocast(loss, dtype=BF16, float8=MX)))
+        autocast = jaxscale.autocast(loss, dtype=BF16, float8=RECIPES.get(name))
         w = jax.ShapeDtypeStruct((512, 256), jnp.float32, sharding=P("fsdp"))
         x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=P("fsdp"))
-        module = jax.export.export(step, platforms=["cuda"])(w, x).mlir_module()
-    assert "CustomSPMDPartitioning" not in module
-    for needed in ["f8E4M3FN", "f8E8M0FNU"]:  # the data and scales
-        assert needed in module
-    for absent in ["stablehlo.while", "stablehlo.case", "custom_call @host_callback"]:
+        module = jax.export.export(jax.jit(jax.grad(autocast)), platforms=["cuda"])(w, x)
+        module = module.mlir_module()
+    needed = {"mxfp8 in mx": ["f8E4M3FN", "f8E8M0FNU"], "rowwise": ["f8E4M3FN"], None: ["bf16"]}
+    for dtype in needed[name]:
+        assert dtype in module
+    for absent in ["CustomSPMDPartitioning", "stablehlo.while", "stablehlo.case", "callback"]:
         assert absent not in module
