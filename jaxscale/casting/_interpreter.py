@@ -126,8 +126,9 @@ _VIEWS = {"reshape", "transpose", "squeeze", "copy", "name", "device_put", "xla_
 # sites' weight paths (a cast is one: a float32 parameter narrowed to bfloat16; so is a
 # change of sharding: a weight made whole on explicit mesh axes, ``reshard(w, P())``).
 _ORIGIN_KEEPING = _VIEWS | {"convert_element_type", "reshard", "sharding_constraint", "mesh_cast"}
-# Equations through which a gathered weight is followed to a float8 matmul, to be
-# quantized before it is gathered (Autocaster._note_gathered)
+# Equations through which a gathered weight is followed to where autocast casts it or
+# a float8 recipe quantizes it, which is then done before it is gathered
+# (Autocaster._note_gathered)
 _GATHERED_THROUGH = {"transpose", "convert_element_type"}
 
 
