@@ -6,6 +6,8 @@ Without a recipe, the shards are cast to the autocast dtype and gathered in it."
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -230,3 +232,19 @@ def test_the_step_on_explicit_axes_exports_for_cuda(name):
         assert dtype in module
     for absent in ["CustomSPMDPartitioning", "stablehlo.while", "stablehlo.case", "callback"]:
         assert absent not in module
+
+
+def test_a_gathered_weight_widened_by_autocast_is_gathered_in_its_own_dtype():
+    # only a narrowing cast moves before the gather: a bfloat16 weight that a float32
+    # operation reads (softmax, under the bfloat16 policy) is gathered as bfloat16
+    mesh = machine.mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+
+    def penalty(w):
+        return jnp.sum(jax.nn.log_softmax(reshard(w, P()), axis=-1))
+
+    with jax.set_mesh(mesh):
+        w = jax.ShapeDtypeStruct((512, 256), BF16, sharding=P("fsdp"))
+        jaxpr = str(jax.make_jaxpr(jaxscale.autocast(penalty, dtype=BF16))(w))
+    # the program's one gather, of the bfloat16 weight, and no float32 one
+    resharded = re.findall(r"(\w+)\[([0-9@a-z,]*)\] = reshard", jaxpr)
+    assert resharded == [("bf16", "512,256")]
