@@ -284,7 +284,8 @@ def _gradient_keys(key: jax.Array | None) -> tuple[Any, Any]:
     return dgrad, wgrad
 
 
-def _no_cotangent(key: jax.Array | None) -> Any:
+def no_cotangent(key: jax.Array | None) -> Any:
+    """The cotangent of a custom rule's key argument: none (a key is not differentiable)."""
     return None if key is None else np.zeros(np.shape(key), jax.dtypes.float0)
 
 
@@ -312,7 +313,7 @@ def float8_linear(x: jax.Array, w_t: jax.Array, recipe: Float8Recipe, out_dtype:
                      out_dtype, key_a=dgrad_key)  # fmt: skip
         grad_w_t = _mm(x.T, grad, recipe.input_for_grad_weight, recipe.grad_output_for_grad_weight,
                        recipe, out_dtype, key_b=wgrad_key)  # fmt: skip
-        return grad_x.astype(x.dtype), grad_w_t.astype(w_t.dtype), _no_cotangent(key)
+        return grad_x.astype(x.dtype), grad_w_t.astype(w_t.dtype), no_cotangent(key)
 
     matmul.defvjp(forward, backward)
     return matmul(x, w_t, key)
@@ -381,7 +382,7 @@ def mx_linear(x: jax.Array, w_t: jax.Array, recipe: MXRecipe, out_dtype: Any,
             grad_w_t = mm(x.astype(out_dtype).T, grad)
         else:
             grad_w_t = mm(mx(x, 0).T, mx(grad, 0, wgrad_key))  # along M
-        return grad_x.astype(x.dtype), grad_w_t.astype(w_t.dtype), _no_cotangent(key)
+        return grad_x.astype(x.dtype), grad_w_t.astype(w_t.dtype), no_cotangent(key)
 
     matmul.defvjp(forward, backward)
     return matmul(x, w_t, key)

@@ -33,6 +33,7 @@ from jaxscale.casting._float8_matmul import (
     as_rows_and_columns,
     float8_dot_general,
     forward_operands,
+    no_cotangent,
     recipe_for,
 )
 from jaxscale.casting._interpreter import Autocaster, Tag, weight_on_the_left
@@ -394,6 +395,8 @@ def _hook(
             return _reference(lhs, rhs, dims)
         row, layers = rows[index]
         site_key = None if key is None else jax.random.fold_in(key, index)
+        if site_key is not None and layers is not None:  # each layer draws its own, as autocast's
+            site_key = jax.random.fold_in(site_key, autocaster.iteration)
         # (the probes typed for a matmul computed with explicit mesh axes made automatic)
         here = probes if foreign_mesh(probes) is None else replicated_here(probes)
         probe = here[row] if layers is None else here[row + autocaster.iteration]
@@ -428,7 +431,7 @@ def _measured(lhs: jax.Array, rhs: jax.Array, probe: jax.Array, dims: Any, recip
     """The float32 product of ``lhs`` and ``rhs``, whose backward pass writes the
     recipe's errors on this matmul into ``probe``'s gradient."""
 
-    def in_recipe(a: jax.Array, b: jax.Array) -> jax.Array:
+    def in_recipe(a: jax.Array, b: jax.Array, key: Any) -> jax.Array:
         return float8_dot_general(a.astype(dtype), b, dims, recipe, dtype, key)
 
     def operand_counts(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -452,24 +455,27 @@ def _measured(lhs: jax.Array, rhs: jax.Array, probe: jax.Array, dims: Any, recip
             counts.append(jnp.stack([jnp.sum(flushed), jnp.sum(clipped), jnp.sum(nonzero)]))
         return jnp.sum(jnp.stack(counts), axis=0).astype(jnp.float32)
 
+    # the key is an argument, not a closure: drawn inside a scan's body (a layer's own
+    # key), it is a value of that body's trace, which the backward rule is traced outside
     @jax.custom_vjp
-    def product(a: jax.Array, b: jax.Array, probe: jax.Array) -> jax.Array:
+    def product(a: jax.Array, b: jax.Array, probe: jax.Array, key: Any) -> jax.Array:
         return _reference(a, b, dims)
 
-    def forward(a: jax.Array, b: jax.Array, probe: jax.Array) -> tuple[jax.Array, Any]:
+    def forward(a: jax.Array, b: jax.Array, probe: jax.Array,
+                key: Any) -> tuple[jax.Array, Any]:  # fmt: skip
         reference = _reference(a, b, dims)
-        output_error = jnp.stack(_squares(in_recipe(a, b), reference))
-        return reference, (a, b, output_error, operand_counts(a, b))
+        output_error = jnp.stack(_squares(in_recipe(a, b, key), reference))
+        return reference, (a, b, key, output_error, operand_counts(a, b))
 
-    def backward(saved: Any, grad: jax.Array) -> tuple[Any, Any, Any]:
-        a, b, output_error, counts = saved
+    def backward(saved: Any, grad: jax.Array) -> tuple[Any, Any, Any, Any]:
+        a, b, key, output_error, counts = saved
         grad_a, grad_b = jax.vjp(lambda a, b: _reference(a, b, dims), a, b)[1](grad)
-        ours_a, ours_b = jax.vjp(in_recipe, a, b)[1](grad.astype(dtype))
+        ours_a, ours_b = jax.vjp(lambda a, b: in_recipe(a, b, key), a, b)[1](grad.astype(dtype))
         a_error = jnp.stack(_squares(ours_a, grad_a.astype(jnp.float32)))
         b_error = jnp.stack(_squares(ours_b, grad_b.astype(jnp.float32)))
         weight, other = (a_error, b_error) if weight_on_left else (b_error, a_error)
         figures = jnp.concatenate([output_error, other, weight, counts, jnp.ones(1)])
-        return grad_a.astype(a.dtype), grad_b.astype(b.dtype), figures
+        return grad_a.astype(a.dtype), grad_b.astype(b.dtype), figures, no_cotangent(key)
 
     product.defvjp(forward, backward)
-    return product(lhs, rhs, probe)
+    return product(lhs, rhs, probe, key)

@@ -379,3 +379,40 @@ def test_a_report_on_explicit_mesh_axes_is_the_report_on_automatic_ones(recipe):
         assert a.site.weight == b.site.weight
         figures = ("output", "input_grad", "weight_grad", "flushed", "saturated", "flops")
         assert [getattr(a, f) for f in figures] == [getattr(b, f) for f in figures]
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "nvfp4",
+        dataclasses.replace(
+            jaxscale.casting.RECIPES["rowwise"], name="rowwise+sr", stochastic_gradients=True
+        ),
+    ],
+    ids=["nvfp4", "rowwise with stochastic gradients"],
+)
+def test_a_recipe_that_draws_is_measured_in_each_layer_of_a_scan(recipe):
+    # a layer's key is drawn inside the scan's body, and the backward rule that measures
+    # the gradients is traced outside it: the key must reach the rule as an argument
+    ws = jnp.asarray(np.random.default_rng(2).normal(size=(3, 64, 64)) / 8, F32)
+
+    def stack(ws, x):
+        return jnp.mean(jnp.square(jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]))
+
+    def unrolled(layers, x):
+        h = x
+        for w in layers:
+            h = jnp.tanh(h @ w)
+        return jnp.mean(jnp.square(h))
+
+    key = jax.random.key(0)
+    report = float8_report(stack, ws, X, recipe=recipe, key=key)
+    apart = float8_report(unrolled, list(ws), X, recipe=recipe, key=key)
+    assert [m.site.layer for m in report.matmuls] == [0, 1, 2]
+    for ours, theirs in zip(report.matmuls, apart.matmuls, strict=True):
+        # the forward draws nothing: the same figures as the layers written out
+        assert ours.output == pytest.approx(theirs.output, rel=1e-4)
+        assert ours.flushed == pytest.approx(theirs.flushed, rel=1e-4)
+        # the gradients' draws are other draws of the same rounding
+        assert 0 < ours.input_grad == pytest.approx(theirs.input_grad, rel=0.2)
+        assert 0 < ours.weight_grad == pytest.approx(theirs.weight_grad, rel=0.2)
