@@ -164,10 +164,21 @@ def random_hadamard_transform(x: jax.Array, signs: Any = DEFAULT_SIGNS) -> jax.A
         raise ValueError(f"the last axis must be a multiple of 16, got shape {x.shape}")
     matrix = jnp.asarray(_rht_matrix(tuple(int(s) for s in signs)))
     blocks = x.astype(jnp.bfloat16).reshape(-1, 16)
-    product = lax.dot_general(
-        blocks, matrix, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
-        precision=lax.Precision.HIGHEST,
-    )  # fmt: skip
+
+    def transform(blocks: jax.Array) -> jax.Array:
+        return lax.dot_general(
+            blocks, matrix, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+            precision=lax.Precision.HIGHEST,
+        )  # fmt: skip
+
+    def materialized_first(blocks: jax.Array) -> jax.Array:
+        # XLA's CPU backend before jaxlib 0.12 folds a transposed operand (a weight
+        # gradient's dy.T, for a layer of 16 outputs written as w.T @ x) into this dot and
+        # then cannot run it: "Unsupported element type for DotThunk::Execute: BF16 x BF16
+        # = F32". The barrier makes the blocks an array of their own first.
+        return transform(lax.optimization_barrier(blocks))
+
+    product = lax.platform_dependent(blocks, cpu=materialized_first, default=transform)
     return product.astype(jnp.bfloat16).reshape(x.shape)
 
 
