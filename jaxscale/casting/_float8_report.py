@@ -394,12 +394,16 @@ def _hook(
         if probes is None or index >= len(rows):
             return _reference(lhs, rhs, dims)
         row, layers = rows[index]
-        site_key = None if key is None else jax.random.fold_in(key, index)
+        # (the probes, a scan's iteration and the key, typed for a matmul computed with
+        # explicit mesh axes made automatic)
+        here, iteration, own_key = (
+            value if value is None or foreign_mesh(value) is None else replicated_here(value)
+            for value in (probes, autocaster.iteration, key)
+        )
+        site_key = None if own_key is None else jax.random.fold_in(own_key, index)
         if site_key is not None and layers is not None:  # each layer draws its own, as autocast's
-            site_key = jax.random.fold_in(site_key, autocaster.iteration)
-        # (the probes typed for a matmul computed with explicit mesh axes made automatic)
-        here = probes if foreign_mesh(probes) is None else replicated_here(probes)
-        probe = here[row] if layers is None else here[row + autocaster.iteration]
+            site_key = jax.random.fold_in(site_key, iteration)
+        probe = here[row] if layers is None else here[row + iteration]
         on_the_left = weight_on_the_left(autocaster.origin_of(lhs), autocaster.origin_of(rhs))
         return _measured(lhs, rhs, probe, dims, recipe, dtype, site_key, on_the_left)
 

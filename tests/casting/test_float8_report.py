@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
+from support import machine
 from support.model_training import matmul_dtypes
 from support.sharded_mlp import sharded_mlp
 
@@ -416,3 +418,37 @@ def test_a_recipe_that_draws_is_measured_in_each_layer_of_a_scan(recipe):
         # the gradients' draws are other draws of the same rounding
         assert 0 < ours.input_grad == pytest.approx(theirs.input_grad, rel=0.2)
         assert 0 < ours.weight_grad == pytest.approx(theirs.weight_grad, rel=0.2)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "nvfp4"])
+def test_a_scanned_stack_on_explicit_mesh_axes_is_reported_as_on_automatic_ones(recipe):
+    # FSDP written out on explicit axes: each layer of a stacked weight sharded along
+    # its rows, gathered in the scan's body by the program itself. The report's probe
+    # index (the scan's iteration) and key (made under the mesh) were typed on the
+    # explicit mesh where the measurement runs on automatic axes
+    reports = {}
+    for kind in (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit):
+        mesh = machine.mesh((8,), ("fsdp",), axis_types=(kind,))
+        with jax.set_mesh(mesh):
+            ws = jax.device_put(
+                jnp.asarray(np.random.default_rng(4).normal(size=(3, 64, 64)) / 8, F32),
+                P(None, "fsdp", None),
+            )
+            x = jax.device_put(X, P("fsdp", None))
+            key = jax.random.key(0) if recipe == "nvfp4" else None
+
+            def stack(ws, x, kind=kind):
+                def layer(h, w):
+                    if kind == jax.sharding.AxisType.Explicit:
+                        w = jax.sharding.reshard(w, P())
+                    return jnp.tanh(h @ w), None
+
+                return jnp.mean(jnp.square(jax.lax.scan(layer, x, ws)[0]))
+
+            reports[kind] = float8_report(stack, ws, x, recipe=recipe, key=key)
+    automatic, explicit = reports.values()
+    assert [m.site.layer for m in explicit.matmuls] == [0, 1, 2]
+    for a, b in zip(automatic.matmuls, explicit.matmuls, strict=True):
+        assert a.site.weight == b.site.weight == "[0]"
+        for figure in ("output", "input_grad", "weight_grad", "flushed", "saturated", "flops"):
+            assert getattr(b, figure) == pytest.approx(getattr(a, figure), rel=1e-5), figure
