@@ -178,6 +178,21 @@ def by_leading_axes(layout: BlockLayout, longest: int) -> BlockLayout:
     )
 
 
+def stacked_layers(layout: BlockLayout) -> int:
+    """How many equal runs of rows the tensor's first axis cuts its rows into, where its
+    rows are read from two leading axes or more (a stack of layers, ``(layers, rows,
+    ...)``, as a scan over layers keeps them); else 1. Rows viewed as ``(layers, rows
+    per layer, ...)`` keep the first axis apart from the second: merged into one axis of
+    rows, a tensor sharded along its second axis (FSDP of a stacked weight) would be
+    gathered whole to be read as rows."""
+    shape = layout.shape
+    if len(shape) < 3 or layout.rows <= shape[0] or layout.rows % shape[0]:
+        return 1
+    if (layout.rows // shape[0]) * layout.row_length != math.prod(shape[1:]):
+        return 1
+    return shape[0]
+
+
 def codes_shape(shape: tuple[int, ...], fmt: BlockFormat) -> tuple[int, ...]:
     """The stored codes' shape: the tensor's (``"int4"``: its last axis halved)."""
     if fmt.bits == 8:
@@ -213,37 +228,39 @@ def scale_of(amax: jax.Array, fmt: BlockFormat) -> jax.Array:
 def quantize_rows(
     rows: jax.Array, layout: BlockLayout, fmt: BlockFormat, signed: bool
 ) -> tuple[jax.Array, jax.Array]:
-    """Rows of a tensor (``(n, layout.row_length)``, float32) to ``(codes, scale)`` of
-    shapes ``(n, stored row length)`` and ``(n, layout.blocks_per_row)``."""
-    count = rows.shape[0]
+    """Rows of a tensor (``(..., layout.row_length)``, float32; any leading axes) to
+    ``(codes, scale)`` of shapes ``(..., stored row length)`` and
+    ``(..., layout.blocks_per_row)``."""
+    leading = rows.shape[:-1]
     blocks = _as_blocks(rows, layout)
     scale = scale_of(jnp.max(jnp.abs(blocks), axis=-1), fmt)
     normalized = divide_exactly(blocks, scale[..., None])
     codes = _encode(normalized, fmt, signed)
-    codes = codes.reshape(count, -1)[:, : layout.row_length]
+    codes = codes.reshape(*leading, -1)[..., : layout.row_length]
     return _pack(codes, fmt), scale
 
 
 def dequantize_rows(
     codes: jax.Array, scale: jax.Array, layout: BlockLayout, fmt: BlockFormat, signed: bool
 ) -> jax.Array:
-    """:func:`quantize_rows` undone: float32 rows of ``layout.row_length``."""
+    """:func:`quantize_rows` undone: float32 rows of ``layout.row_length`` (the codes'
+    leading axes kept)."""
     values = _decode(_unpack(codes, fmt), fmt, signed)
-    count = values.shape[0]
+    leading = values.shape[:-1]
     per_block = layout.block_size
     if layout.padded:
         scale = jnp.broadcast_to(scale[..., None], (*scale.shape, per_block))
-        scale = scale.reshape(count, -1)[:, : layout.row_length]
+        scale = scale.reshape(*leading, -1)[..., : layout.row_length]
         return values * scale
-    blocks = values.reshape(count, layout.blocks_per_row, per_block) * scale[..., None]
-    return blocks.reshape(count, layout.row_length)
+    blocks = values.reshape(*leading, layout.blocks_per_row, per_block) * scale[..., None]
+    return blocks.reshape(*leading, layout.row_length)
 
 
 def _as_blocks(rows: jax.Array, layout: BlockLayout) -> jax.Array:
     if layout.padded:
         padding = layout.blocks_per_row * layout.block_size - layout.row_length
-        rows = jnp.pad(rows, ((0, 0), (0, padding)))
-    return rows.reshape(rows.shape[0], layout.blocks_per_row, layout.block_size)
+        rows = jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, padding)])
+    return rows.reshape(*rows.shape[:-1], layout.blocks_per_row, layout.block_size)
 
 
 def _encode(normalized: jax.Array, fmt: BlockFormat, signed: bool) -> jax.Array:
@@ -285,7 +302,7 @@ def _pack(codes: jax.Array, fmt: BlockFormat) -> jax.Array:
     """4-bit codes two per byte, torchao's ``(codes[::2] << 4) | codes[1::2]``."""
     if fmt.bits == 8:
         return codes
-    pairs = codes.reshape(codes.shape[0], -1, 2)
+    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
     return (pairs[..., 0] << 4) | pairs[..., 1]
 
 
@@ -295,9 +312,10 @@ def _unpack(codes: jax.Array, fmt: BlockFormat) -> jax.Array:
     is a concatenation, which XLA's GPU backend writes out whole)."""
     if fmt.bits == 8:
         return codes
-    count, width = codes.shape
-    doubled = jnp.broadcast_to(codes[:, :, None], (count, width, 2)).reshape(count, 2 * width)
-    second = lax.broadcasted_iota(jnp.uint8, doubled.shape, 1) & np.uint8(1)
+    *leading, width = codes.shape
+    doubled = jnp.broadcast_to(codes[..., None], (*leading, width, 2))
+    doubled = doubled.reshape(*leading, 2 * width)
+    second = lax.broadcasted_iota(jnp.uint8, doubled.shape, doubled.ndim - 1) & np.uint8(1)
     return (doubled >> ((np.uint8(1) - second) * np.uint8(4))) & np.uint8(0xF)
 
 
@@ -459,7 +477,8 @@ def quantize_blockwise(
             f"int4 packs neighbouring values along the last axis two per byte, and the last "
             f"axis of an array of shape {x.shape} is odd"
         )
-    rows = x.astype(jnp.float32).reshape(layout.rows, layout.row_length)
+    layers = stacked_layers(layout)  # (a stack's first axis kept apart: see there)
+    rows = x.astype(jnp.float32).reshape(layers, layout.rows // layers, layout.row_length)
     codes, scale = quantize_rows(rows, layout, fmt, signed)
     return codes.reshape(codes_shape(x.shape, fmt)), scale.reshape(layout.scale_shape)
 
@@ -516,9 +535,10 @@ def dequantize_blockwise(
             + ("" if block_size else " (partial blocks need their block_size)")
         )
     per_row = layout.row_length if fmt.bits == 8 else layout.row_length // 2
+    layers = stacked_layers(layout)
     rows = dequantize_rows(
-        codes.reshape(layout.rows, per_row),
-        scale.reshape(layout.rows, layout.blocks_per_row),
+        codes.reshape(layers, layout.rows // layers, per_row),
+        scale.reshape(layers, layout.rows // layers, layout.blocks_per_row),
         layout,
         fmt,
         signed,

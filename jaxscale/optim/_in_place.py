@@ -64,6 +64,7 @@ from jaxscale.optim._blockwise import (
     by_leading_axes,
     dequantize_rows,
     quantize_rows,
+    stacked_layers,
 )
 from jaxscale.optim._handed_down import claim
 
@@ -126,7 +127,8 @@ class Slot:
             return stored.astype(jnp.float32)
         layout, _ = self.blocks
         codes, scale = stored
-        rows = self.read_rows((codes.reshape(layout.rows, -1), scale.reshape(layout.rows, -1)))
+        view = row_view(layout)
+        rows = self.read_rows((codes.reshape(*view, -1), scale.reshape(*view, -1)))
         return rows.reshape(layout.shape)
 
     def narrowed(self, wide: Any, like: Any) -> Any:
@@ -136,7 +138,7 @@ class Slot:
         if self.kind == "cast":
             return wide.astype(self.dtype)
         layout, _ = self.blocks
-        rows = wide.astype(jnp.float32).reshape(layout.rows, layout.row_length)
+        rows = wide.astype(jnp.float32).reshape(*row_view(layout), layout.row_length)
         codes, scale = self.write_rows(rows)
         return self.stored((codes.reshape(like[0].shape), scale.reshape(like[1].shape)), like)
 
@@ -158,6 +160,14 @@ class Slot:
 
 
 AS_IS = Slot("as is")
+
+
+def row_view(layout: BlockLayout) -> tuple[int, int]:
+    """The rows of ``layout`` as ``(layers, rows per layer)`` (:func:`stacked_layers`):
+    a tensor reshaped to this view and its row length keeps a stack's first axis apart
+    from its second, so that either may be sharded."""
+    layers = stacked_layers(layout)
+    return layers, layout.rows // layers
 
 
 def slice_sizes() -> dict[str, int]:
@@ -385,10 +395,11 @@ def _narrowed_unless_unchanged(slot: Slot, new: Any, old: Any, stored: Any) -> A
     if slot.kind != "blocks":
         return narrowed  # a cast back and forth is exact
     layout, _ = slot.blocks
-    unchanged = unchanged_rows(new.reshape(layout.rows, -1), old.reshape(layout.rows, -1))
+    view = row_view(layout)
+    unchanged = unchanged_rows(new.reshape(*view, -1), old.reshape(*view, -1))
 
     def chosen(kept: Any, made: Any) -> Any:
-        rows = jnp.where(unchanged, kept.reshape(layout.rows, -1), made.reshape(layout.rows, -1))
+        rows = jnp.where(unchanged, kept.reshape(*view, -1), made.reshape(*view, -1))
         return rows.reshape(kept.shape)
 
     return jax.tree.map(chosen, stored, narrowed)
@@ -399,7 +410,7 @@ def unchanged_rows(new: Any, old: Any) -> Any:
     Decided row by row: a row's blocks lie on one device under a sharding of the leading
     axes, so the decision needs no collective."""
     same = (new == old) | (jnp.isnan(new) & jnp.isnan(old))
-    return jnp.all(same, axis=1, keepdims=True)
+    return jnp.all(same, axis=-1, keepdims=True)
 
 
 def _components(
@@ -513,11 +524,12 @@ def _run_component(
     if not blocks and len(carriers) < sum(1 for k in range(count) if _in(program, k, component)):
         carriers = {}  # an update computed outside keeps the old state alive anyway
     looped = blocks and layout.rows * layout.row_length >= LOOPED_FROM
+    layers = stacked_layers(layout)
     plans = {
         platform: _Plan(
             iterations=trip_count(
-                layout.rows,
-                layout.row_length,
+                layout.rows // layers,
+                layout.row_length * layers,
                 elements,
                 least=2 if looped and platform != "cpu" else 1,
             )
@@ -543,7 +555,8 @@ def _run_component(
         carried_indices = update_indices if plan.carried_updates else []
         state_arrays, update_arrays, done = _loop(
             program, component, wanted, carried, sources, kept_others, kept_values,
-            kept_functions, values, layout.rows, layout.row_length, plan.iterations,
+            kept_functions, values, (layers, layout.rows // layers), layout.row_length,
+            plan.iterations,
             [outvars[k] for k in carried_indices], [carriers[k][1] for k in carried_indices],
             previous, plan.viewed_as_bits,
         )  # fmt: skip
@@ -692,7 +705,7 @@ def _sliced_loop(
     other_values: list[Any],
     other_functions: list[Callable[[Any], Any] | None],
     values: dict[Any, Any],
-    rows: int,
+    rows: tuple[int, int],
     row_length: int,
     iterations: int,
     updates: list[Any],
@@ -701,7 +714,9 @@ def _sliced_loop(
     viewed_as_bits: tuple[int, ...] = (8, 16),
 ) -> tuple[list[list[Any]], list[Any], Any]:
     """The carried arrays after ``iterations`` iterations, each over every
-    ``iterations``-th row: the component evaluated on the slice, the new state written
+    ``iterations``-th row of each layer (``rows``: the layers of a stack, its first
+    axis, and the rows of each; one layer for a tensor that is not a stack), which it
+    keeps apart: the component evaluated on the slice, the new state written
     in place, and each of ``updates`` written into the buffer of its gradient
     (``carrier_inputs``: the input variable, its source array and the function that
     computes it from the source's slice).
@@ -716,18 +731,20 @@ def _sliced_loop(
 
     It slices the floating arrays of the widths in ``viewed_as_bits`` as unsigned
     integers of their width (on a platform that widens them whole to slice them)."""
-    group = rows // iterations
+    layers, rows_per_layer = rows
+    group = rows_per_layer // iterations
     as_bits = functools.partial(_as_bits, widths=viewed_as_bits)
 
     def from_bits(pieces: list[Any], dtypes: list[Any]) -> list[Any]:
         return [_from_bits(p, dtype) for p, dtype in zip(pieces, dtypes, strict=True)]
 
-    def as_rows(array: Any) -> Any:  # (group, iterations, per row) views: strided slices
-        return array.reshape(group, iterations, -1)
+    def as_rows(array: Any) -> Any:  # (layers, group, iterations, per row): strided slices
+        return array.reshape(layers, group, iterations, -1)
 
     def piece(array: Any, step: Any) -> Any:
-        start = (0, step, 0)
-        return lax.dynamic_slice(array, start, (array.shape[0], 1, array.shape[2]))[:, 0]
+        start = (0, 0, step, 0)
+        size = (layers, group, 1, array.shape[3])
+        return lax.dynamic_slice(array, start, size)[:, :, 0]
 
     carried_dtypes = [[jnp.result_type(a) for a in stored] for _, stored in carried]
     arrays = [[as_rows(as_bits(a)) for a in stored] for _, stored in carried]
@@ -757,15 +774,17 @@ def _sliced_loop(
             value = _from_bits(pieces[0], dtype)
             inputs[var] = value if function is None else function(value)
 
+        shape = (layers, group, row_length)
+
         def positions() -> Any:  # each element's row-major index in its leaf
-            rows_of_slice = lax.broadcasted_iota(jnp.uint32, (group, row_length), 0)
-            columns = lax.broadcasted_iota(jnp.uint32, (group, row_length), 1)
+            layer = lax.broadcasted_iota(jnp.uint32, shape, 0)
+            rows_of_slice = lax.broadcasted_iota(jnp.uint32, shape, 1)
+            columns = lax.broadcasted_iota(jnp.uint32, shape, 2)
             row = rows_of_slice * np.uint32(iterations) + jnp.asarray(step).astype(jnp.uint32)
+            row = layer * np.uint32(rows_per_layer) + row
             return row * np.uint32(row_length) + columns
 
-        results = program.evaluate_slice(
-            component, wanted_all, inputs, values, (group, row_length), positions
-        )
+        results = program.evaluate_slice(component, wanted_all, inputs, values, shape, positions)
         written = []
         state_slices, state_results = slices[: len(carried)], results[: len(carried)]
         for (slot, _), old, result, dtypes in zip(
@@ -792,7 +811,7 @@ def _sliced_loop(
     def write(arrays: list[list[Any]], written: list[list[Any]], step: Any) -> list[list[Any]]:
         return [
             [
-                lax.dynamic_update_slice(a, p[:, None].astype(a.dtype), (0, step, 0))
+                lax.dynamic_update_slice(a, p[:, :, None].astype(a.dtype), (0, 0, step, 0))
                 for a, p in zip(now, new, strict=True)
             ]
             for now, new in zip(arrays, written, strict=True)
@@ -838,7 +857,7 @@ def _sliced_loop(
         # loop's slices from the start of the step.
         wait = previous * 0  # (XLA keeps a float's product with zero)
         empty = [
-            [(jnp.zeros(a.shape[::2], jnp.float32) + wait).astype(a.dtype) for a in now]
+            [(jnp.zeros(_slice_shape(a), jnp.float32) + wait).astype(a.dtype) for a in now]
             for now in arrays
         ]
         done, arrays, _ = lax.fori_loop(
@@ -853,6 +872,13 @@ def _sliced_loop(
         for pieces, dtypes in zip(arrays[: len(carried)], carried_dtypes, strict=True)
     ]
     return state_arrays, update_arrays, done
+
+
+def _slice_shape(rows: Any) -> tuple[int, ...]:
+    """The shape of one iteration's slice of a ``(layers, group, iterations, per row)``
+    view."""
+    layers, group, _, per_row = rows.shape
+    return (layers, group, per_row)
 
 
 def _as_bits(array: Any, widths: tuple[int, ...] = (8, 16)) -> Any:

@@ -1185,6 +1185,87 @@ def test_a_step_of_parameters_sharded_along_their_last_axis_communicates_nothing
     assert COLLECTIVE.findall(compiled.as_text()) == []
 
 
+STACK = (6, 256, 256)  # (layers, rows, columns): a scan over layers keeps its weights so
+STACK_SHARDED = P(None, "fsdp", None)  # FSDP of the stack: each layer's rows
+
+
+def stacked_fsdp_step(tx, dtype=F32):
+    """A stacked weight sharded along its second axis and its state placed likewise
+    (``jax.jit(tx.init)`` with those shardings), and the jitted step a user writes: no
+    ``out_shardings``, so that where the new state lands is the step's own doing."""
+    mesh = fsdp_mesh()
+    along = NamedSharding(mesh, STACK_SHARDED)
+    params = jax.ShapeDtypeStruct(STACK, dtype, sharding=along)
+    state = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(
+            s.shape, s.dtype, sharding=along if s.shape == STACK else NamedSharding(mesh, P())
+        ),
+        jax.eval_shape(tx.init, params),
+    )
+
+    def step(params, state):
+        grads = jnp.sin(params.astype(F32) * 7).astype(params.dtype)
+        updates, state = tx.update(grads, state, params)
+        with third_party.standard_promotion():  # (optax's adamw on bfloat16)
+            return optax.apply_updates(params, updates), state
+
+    return jax.jit(step, donate_argnums=(0, 1)), params, state
+
+
+STACKED_TRANSFORMS = {
+    **{f: (lambda f=f: jaxscale.low_precision_state(adamw(), f), F32) for f in FORMATS},
+    "stochastic_rounding": (
+        lambda: jaxscale.stochastic_rounding(adamw(), key=jax.random.key(0)),
+        jnp.bfloat16,
+    ),
+    "kahan_summation": (lambda: jaxscale.kahan_summation(adamw()), jnp.bfloat16),
+    "master_weights(int8)": (
+        lambda: jaxscale.master_weights(jaxscale.low_precision_state(adamw(), "int8")),
+        jnp.bfloat16,
+    ),
+    "grad_scaler(int8)": (
+        lambda: jaxscale.grad_scaler(jaxscale.low_precision_state(adamw(), "int8")),
+        F32,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(STACKED_TRANSFORMS))
+def test_a_stacked_weight_sharded_along_its_rows_keeps_its_state_sharded(name):
+    # FSDP of a scan over layers: (layers, rows, columns) sharded along the rows. Read
+    # as rows of both leading axes merged, the rows' shards were a minor part of one
+    # axis: every transform gathered the weight and its state, whole, and returned the
+    # state replicated on every device
+    make, dtype = STACKED_TRANSFORMS[name]
+    jitted, params, state = stacked_fsdp_step(make(), dtype)
+    compiled = machine.compiled_to_inspect(jitted.lower(params, state))
+    collectives = COLLECTIVE.findall(compiled.as_text())
+    if name.startswith("grad_scaler"):  # its finite check, one flag
+        assert [(kind, "pred" in shape) for shape, kind, _ in collectives] == [("all-reduce", True)]
+    else:
+        assert collectives == []
+    for leaf, sharding in zip(
+        jax.tree.leaves(state), jax.tree.leaves(compiled.output_shardings[1]), strict=True
+    ):
+        if leaf.shape == STACK:
+            assert sharding.is_equivalent_to(NamedSharding(fsdp_mesh(), STACK_SHARDED), 3)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_sharded_stacked_weights_step_computes_what_one_device_does(fmt):
+    tx = jaxscale.low_precision_state(adamw(), fmt)
+    jitted, abstract_params, abstract_state = stacked_fsdp_step(tx)
+    params = jax.random.normal(jax.random.key(1), STACK) * 0.1
+    grads = jnp.sin(params * 7)
+    alone = jax.jit(tx.update)(grads, tx.init(params), params)
+    put = lambda tree, like: jax.tree.map(  # noqa: E731
+        lambda x, s: jax.device_put(x, s.sharding), tree, like
+    )
+    _, new_state = jitted(put(params, abstract_params), put(tx.init(params), abstract_state))
+    for a, b in zip(jax.tree.leaves(alone[1]), jax.tree.leaves(new_state), strict=True):
+        np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
+
+
 def test_an_fsdp_step_computes_what_one_device_does():
     mesh = fsdp_mesh()
     tx = jaxscale.low_precision_state(adamw(), "int8")
