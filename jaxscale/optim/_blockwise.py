@@ -178,19 +178,22 @@ def by_leading_axes(layout: BlockLayout, longest: int) -> BlockLayout:
     )
 
 
-def stacked_layers(layout: BlockLayout) -> int:
-    """How many equal runs of rows the tensor's first axis cuts its rows into, where its
-    rows are read from two leading axes or more (a stack of layers, ``(layers, rows,
-    ...)``, as a scan over layers keeps them); else 1. Rows viewed as ``(layers, rows
-    per layer, ...)`` keep the first axis apart from the second: merged into one axis of
-    rows, a tensor sharded along its second axis (FSDP of a stacked weight) would be
-    gathered whole to be read as rows."""
-    shape = layout.shape
-    if len(shape) < 3 or layout.rows <= shape[0] or layout.rows % shape[0]:
-        return 1
-    if (layout.rows // shape[0]) * layout.row_length != math.prod(shape[1:]):
-        return 1
-    return shape[0]
+def row_view(layout: BlockLayout) -> tuple[int, int]:
+    """The rows of ``layout`` as ``(layers, rows per layer)``: the tensor's first axis
+    apart where its rows are read from two leading axes or more (a stack of layers,
+    ``(layers, rows, ...)``, as a scan over layers keeps them), else ``(1, rows)``.
+    Merged into one axis of rows, a stack sharded along its second axis (FSDP of a
+    stacked weight) would be gathered whole to be read as rows; reshaped to this view
+    and its row length, either axis may be sharded."""
+    shape, rows = layout.shape, layout.rows
+    stacked = (
+        len(shape) >= 3
+        and shape[0] < rows
+        and rows % shape[0] == 0
+        and (rows // shape[0]) * layout.row_length == math.prod(shape[1:])
+    )
+    layers = shape[0] if stacked else 1
+    return layers, rows // layers
 
 
 def codes_shape(shape: tuple[int, ...], fmt: BlockFormat) -> tuple[int, ...]:
@@ -477,8 +480,7 @@ def quantize_blockwise(
             f"int4 packs neighbouring values along the last axis two per byte, and the last "
             f"axis of an array of shape {x.shape} is odd"
         )
-    layers = stacked_layers(layout)  # (a stack's first axis kept apart: see there)
-    rows = x.astype(jnp.float32).reshape(layers, layout.rows // layers, layout.row_length)
+    rows = x.astype(jnp.float32).reshape(*row_view(layout), layout.row_length)
     codes, scale = quantize_rows(rows, layout, fmt, signed)
     return codes.reshape(codes_shape(x.shape, fmt)), scale.reshape(layout.scale_shape)
 
@@ -535,10 +537,10 @@ def dequantize_blockwise(
             + ("" if block_size else " (partial blocks need their block_size)")
         )
     per_row = layout.row_length if fmt.bits == 8 else layout.row_length // 2
-    layers = stacked_layers(layout)
+    view = row_view(layout)
     rows = dequantize_rows(
-        codes.reshape(layers, layout.rows // layers, per_row),
-        scale.reshape(layers, layout.rows // layers, layout.blocks_per_row),
+        codes.reshape(*view, per_row),
+        scale.reshape(*view, layout.blocks_per_row),
         layout,
         fmt,
         signed,

@@ -64,7 +64,7 @@ from jaxscale.optim._blockwise import (
     by_leading_axes,
     dequantize_rows,
     quantize_rows,
-    stacked_layers,
+    row_view,
 )
 from jaxscale.optim._handed_down import claim
 
@@ -160,14 +160,6 @@ class Slot:
 
 
 AS_IS = Slot("as is")
-
-
-def row_view(layout: BlockLayout) -> tuple[int, int]:
-    """The rows of ``layout`` as ``(layers, rows per layer)`` (:func:`stacked_layers`):
-    a tensor reshaped to this view and its row length keeps a stack's first axis apart
-    from its second, so that either may be sharded."""
-    layers = stacked_layers(layout)
-    return layers, layout.rows // layers
 
 
 def slice_sizes() -> dict[str, int]:
@@ -524,11 +516,11 @@ def _run_component(
     if not blocks and len(carriers) < sum(1 for k in range(count) if _in(program, k, component)):
         carriers = {}  # an update computed outside keeps the old state alive anyway
     looped = blocks and layout.rows * layout.row_length >= LOOPED_FROM
-    layers = stacked_layers(layout)
+    layers, rows_per_layer = row_view(layout)
     plans = {
         platform: _Plan(
             iterations=trip_count(
-                layout.rows // layers,
+                rows_per_layer,
                 layout.row_length * layers,
                 elements,
                 least=2 if looped and platform != "cpu" else 1,
@@ -555,8 +547,7 @@ def _run_component(
         carried_indices = update_indices if plan.carried_updates else []
         state_arrays, update_arrays, done = _loop(
             program, component, wanted, carried, sources, kept_others, kept_values,
-            kept_functions, values, (layers, layout.rows // layers), layout.row_length,
-            plan.iterations,
+            kept_functions, values, (layers, rows_per_layer), layout.row_length, plan.iterations,
             [outvars[k] for k in carried_indices], [carriers[k][1] for k in carried_indices],
             previous, plan.viewed_as_bits,
         )  # fmt: skip
