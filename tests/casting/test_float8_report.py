@@ -452,3 +452,20 @@ def test_a_scanned_stack_on_explicit_mesh_axes_is_reported_as_on_automatic_ones(
         assert a.site.weight == b.site.weight == "[0]"
         for figure in ("output", "input_grad", "weight_grad", "flushed", "saturated", "flops"):
             assert getattr(b, figure) == pytest.approx(getattr(a, figure), rel=1e-5), figure
+
+
+def test_each_layer_of_a_scan_draws_its_own_rounding():
+    # every layer the same matmul on the same operands (the carry passes through): the
+    # gradients' errors differ from layer to layer only by the draws
+    ws = jnp.broadcast_to(PARAMS["body"], (3, 64, 64))
+
+    def stack(ws, x):
+        _, ys = jax.lax.scan(lambda h, w: (h, h @ w), x, ws)
+        return jnp.mean(jnp.square(ys))
+
+    report = float8_report(stack, ws, X, recipe="nvfp4", key=jax.random.key(0))
+    layers = report.matmuls
+    assert [m.site.layer for m in layers] == [0, 1, 2]
+    assert len({m.output for m in layers}) == 1  # the forward draws nothing
+    assert len({m.input_grad for m in layers}) == 3
+    assert len({m.weight_grad for m in layers}) == 3

@@ -1630,6 +1630,25 @@ def test_a_training_step_draws_the_same_bits_on_any_mesh(loops, monkeypatch):
         np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
 
 
+def test_a_stacked_weights_draws_in_the_loop_are_those_of_its_rows_merged(monkeypatch):
+    # each element's bits are hashed from its index in the leaf: in the loop's slices of
+    # a stack, the index counts the layers before it too
+    loops_over_bfloat16(monkeypatch, True)
+    params = (jax.random.normal(jax.random.key(1), STACK) * 0.1).astype(BF16)
+    steps = []
+    for shape in (STACK, (STACK[0] * STACK[1], STACK[2])):  # a stack; its rows merged
+        tx = jaxscale.stochastic_rounding(adamw(), key=jax.random.key(0))
+
+        def step(params, state, tx=tx):
+            grads = jnp.sin(params.astype(F32) * 7).astype(BF16)
+            updates, state = tx.update(grads, state, params)
+            with third_party.standard_promotion():
+                return optax.apply_updates(params, updates)
+
+        steps.append(jax.jit(step)(params.reshape(shape), tx.init(params.reshape(shape))))
+    np.testing.assert_array_equal(bytes_of(steps[0]), bytes_of(steps[1]))
+
+
 def test_stochastic_rounding_draws_the_same_bits_on_any_mesh():
     tx = jaxscale.stochastic_rounding(adamw(), key=jax.random.key(0))
     params = {
