@@ -25,7 +25,9 @@ the layout does not depend on the mesh. In row-major order they are torchao's fl
 scales. A tensor whose size is not a multiple of the block (which torchao leaves in
 float32) may be quantized with ``partial_blocks=True``: along its trailing axes
 ``shape[k:]`` (the fewest that hold a block), each row of them cut into blocks, the
-last one shorter, scales of shape ``shape[:k] + (blocks per row,)``.
+last one shorter, scales of shape ``shape[:k] + (blocks per row,)``. Computed, a block
+is read in the tensor's own axes where it spans whole rows of its trailing axes
+(:func:`block_shape`), so that a tensor sharded along those axes keeps its shards.
 
 Arithmetic. Every quotient is one correctly rounded float32 division, as in torch.
 XLA's algebraic simplifier turns a division by a constant or by a broadcast value into
@@ -196,6 +198,44 @@ def row_view(layout: BlockLayout) -> tuple[int, int]:
     return layers, rows // layers
 
 
+def block_shape(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:
+    """The shape a block of a tensor of ``shape`` is read as: ``m`` whole rows of the
+    trailing axes ``shape[j:]``, ``(m, *shape[j:])`` (``shape[j:]`` alone where ``m`` is
+    1), for the most trailing axes whose size divides the block; else ``(block_size,)``
+    (a run of the last axis, or blocks that cut across its rows). Blocks start at
+    multiples of their size, so every block of the tensor has this shape. Read so, a
+    tensor sharded along any of those trailing axes (a layer's columns under FSDP, where
+    a row is shorter than a block) keeps its shards in place: merged into one run, the
+    shards would form the minor part of an axis, which no sharding describes."""
+    for j in range(len(shape)):
+        trailing = math.prod(shape[j:])
+        if block_size % trailing == 0:
+            m = block_size // trailing
+            return (m, *shape[j:]) if m > 1 else tuple(shape[j:])
+    return (block_size,)
+
+
+def row_shape(layout: BlockLayout) -> tuple[int, ...]:
+    """The shape each row of ``layout`` is read as: its blocks, each as
+    :func:`block_shape` says, ``(blocks_per_row, *block)``; a row of partial blocks
+    (the last one shorter) as one axis of ``row_length``."""
+    if layout.padded:
+        return (layout.row_length,)
+    block = block_shape(layout.shape, layout.block_size)
+    return block if layout.blocks_per_row == 1 else (layout.blocks_per_row, *block)
+
+
+def codes_row_shape(layout: BlockLayout, fmt: BlockFormat) -> tuple[int, ...]:
+    """The shape a row of stored codes is read as: :func:`row_shape` (``"int4"``: its last
+    axis halved, two codes a byte)."""
+    return codes_shape(row_shape(layout), fmt)
+
+
+def rows_of(x: jax.Array, layout: BlockLayout) -> jax.Array:
+    """A tensor of ``layout`` read as rows: ``(*row_view(layout), *row_shape(layout))``."""
+    return x.reshape(*row_view(layout), *row_shape(layout))
+
+
 def codes_shape(shape: tuple[int, ...], fmt: BlockFormat) -> tuple[int, ...]:
     """The stored codes' shape: the tensor's (``"int4"``: its last axis halved)."""
     if fmt.bits == 8:
@@ -231,38 +271,49 @@ def scale_of(amax: jax.Array, fmt: BlockFormat) -> jax.Array:
 def quantize_rows(
     rows: jax.Array, layout: BlockLayout, fmt: BlockFormat, signed: bool
 ) -> tuple[jax.Array, jax.Array]:
-    """Rows of a tensor (``(..., layout.row_length)``, float32; any leading axes) to
-    ``(codes, scale)`` of shapes ``(..., stored row length)`` and
+    """Rows of a tensor (float32, ``(..., *row_shape(layout))``; any leading axes) to
+    ``(codes, scale)`` of shapes ``(..., *codes_row_shape(layout, fmt))`` and
     ``(..., layout.blocks_per_row)``."""
-    leading = rows.shape[:-1]
-    blocks = _as_blocks(rows, layout)
-    scale = scale_of(jnp.max(jnp.abs(blocks), axis=-1), fmt)
-    normalized = divide_exactly(blocks, scale[..., None])
+    leading = rows.shape[: rows.ndim - len(row_shape(layout))]
+    if layout.padded:
+        blocks = _as_blocks(rows, layout)
+    else:  # (..., blocks_per_row, *block)
+        blocks = rows.reshape(
+            *leading, layout.blocks_per_row, *block_shape(layout.shape, layout.block_size)
+        )
+    within = tuple(range(len(leading) + 1, blocks.ndim))  # (each block's own axes)
+    scale = scale_of(jnp.max(jnp.abs(blocks), axis=within), fmt)
+    normalized = divide_exactly(blocks, lax.expand_dims(scale, within))
     codes = _encode(normalized, fmt, signed)
-    codes = codes.reshape(*leading, -1)[..., : layout.row_length]
+    if layout.padded:
+        codes = codes.reshape(*leading, -1)[..., : layout.row_length]
+    else:
+        codes = codes.reshape(rows.shape)
     return _pack(codes, fmt), scale
 
 
 def dequantize_rows(
     codes: jax.Array, scale: jax.Array, layout: BlockLayout, fmt: BlockFormat, signed: bool
 ) -> jax.Array:
-    """:func:`quantize_rows` undone: float32 rows of ``layout.row_length`` (the codes'
+    """:func:`quantize_rows` undone: float32 rows of ``row_shape(layout)`` (the codes'
     leading axes kept)."""
     values = _decode(_unpack(codes, fmt), fmt, signed)
-    leading = values.shape[:-1]
-    per_block = layout.block_size
     if layout.padded:
-        scale = jnp.broadcast_to(scale[..., None], (*scale.shape, per_block))
+        leading = values.shape[:-1]
+        scale = jnp.broadcast_to(scale[..., None], (*scale.shape, layout.block_size))
         scale = scale.reshape(*leading, -1)[..., : layout.row_length]
         return values * scale
-    blocks = values.reshape(*leading, layout.blocks_per_row, per_block) * scale[..., None]
-    return blocks.reshape(*leading, layout.row_length)
+    block = block_shape(layout.shape, layout.block_size)
+    blocks = values.reshape(*scale.shape, *block) * lax.expand_dims(
+        scale, tuple(range(scale.ndim, scale.ndim + len(block)))
+    )
+    return blocks.reshape(values.shape)
 
 
 def _as_blocks(rows: jax.Array, layout: BlockLayout) -> jax.Array:
-    if layout.padded:
-        padding = layout.blocks_per_row * layout.block_size - layout.row_length
-        rows = jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, padding)])
+    """Rows of partial blocks padded to whole blocks, ``(..., blocks_per_row, block_size)``."""
+    padding = layout.blocks_per_row * layout.block_size - layout.row_length
+    rows = jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, padding)])
     return rows.reshape(*rows.shape[:-1], layout.blocks_per_row, layout.block_size)
 
 
@@ -480,8 +531,7 @@ def quantize_blockwise(
             f"int4 packs neighbouring values along the last axis two per byte, and the last "
             f"axis of an array of shape {x.shape} is odd"
         )
-    rows = x.astype(jnp.float32).reshape(*row_view(layout), layout.row_length)
-    codes, scale = quantize_rows(rows, layout, fmt, signed)
+    codes, scale = quantize_rows(rows_of(x.astype(jnp.float32), layout), layout, fmt, signed)
     return codes.reshape(codes_shape(x.shape, fmt)), scale.reshape(layout.scale_shape)
 
 
@@ -536,10 +586,9 @@ def dequantize_blockwise(
             f"for an array of shape {shape}"
             + ("" if block_size else " (partial blocks need their block_size)")
         )
-    per_row = layout.row_length if fmt.bits == 8 else layout.row_length // 2
     view = row_view(layout)
     rows = dequantize_rows(
-        codes.reshape(*view, per_row),
+        codes.reshape(*view, *codes_row_shape(layout, fmt)),
         scale.reshape(*view, layout.blocks_per_row),
         layout,
         fmt,

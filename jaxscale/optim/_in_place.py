@@ -62,9 +62,12 @@ from jaxscale.optim._blockwise import (
     BlockLayout,
     block_layout,
     by_leading_axes,
+    codes_row_shape,
     dequantize_rows,
     quantize_rows,
+    row_shape,
     row_view,
+    rows_of,
 )
 from jaxscale.optim._handed_down import claim
 
@@ -126,10 +129,20 @@ class Slot:
         if self.kind == "cast":
             return stored.astype(jnp.float32)
         layout, _ = self.blocks
-        codes, scale = stored
         view = row_view(layout)
-        rows = self.read_rows((codes.reshape(*view, -1), scale.reshape(*view, -1)))
+        rows = self.read_rows(
+            [a.reshape(*view, *shape) for a, shape in zip(stored, self.row_shapes(()), strict=True)]
+        )
         return rows.reshape(layout.shape)
+
+    def row_shapes(self, row: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """The shape a row of each of :meth:`arrays` is read as, in a loop whose rows of
+        values have shape ``row``: that, or the codes' and the scales' (one per block)
+        of this slot's own rows."""
+        if self.kind != "blocks":
+            return (row,)
+        own, fmt = self.blocks
+        return codes_row_shape(own, fmt), (own.blocks_per_row,)
 
     def narrowed(self, wide: Any, like: Any) -> Any:
         """The whole leaf stored, of ``like``'s type."""
@@ -138,8 +151,7 @@ class Slot:
         if self.kind == "cast":
             return wide.astype(self.dtype)
         layout, _ = self.blocks
-        rows = wide.astype(jnp.float32).reshape(*row_view(layout), layout.row_length)
-        codes, scale = self.write_rows(rows)
+        codes, scale = self.write_rows(rows_of(wide.astype(jnp.float32), layout))
         return self.stored((codes.reshape(like[0].shape), scale.reshape(like[1].shape)), like)
 
     def read_rows(self, rows: Sequence[Any]) -> Any:
@@ -193,6 +205,21 @@ def trip_count(rows: int, row_length: int, elements: int, least: int = 1) -> int
 
 def _twos(count: int) -> int:
     return (count & -count).bit_length() - 1
+
+
+def element_rows(shape: tuple[int, ...]) -> BlockLayout:
+    """The rows a loop reads a state kept element by element in (bfloat16): the rows of
+    the last axis, where the tensor has two axes or more and a row fits a slice (the
+    layout holds no blocks, so a tensor sharded along any axis keeps its shards in
+    place); else runs of 256 elements, or rows of the leading axes that hold them."""
+    if len(shape) >= 2 and 1 <= shape[-1] <= CPU_SLICE:
+        rows = block_layout(shape, shape[-1])
+    else:
+        whole = block_layout(shape, 256, partial_blocks=True)
+        assert whole is not None
+        rows = by_leading_axes(whole, CPU_SLICE)
+    assert rows is not None
+    return rows
 
 
 def update_in_place(
@@ -388,21 +415,28 @@ def _narrowed_unless_unchanged(slot: Slot, new: Any, old: Any, stored: Any) -> A
         return narrowed  # a cast back and forth is exact
     layout, _ = slot.blocks
     view = row_view(layout)
-    unchanged = unchanged_rows(new.reshape(*view, -1), old.reshape(*view, -1))
+    unchanged = unchanged_rows(rows_of(new, layout), rows_of(old, layout), len(view))
 
     def chosen(kept: Any, made: Any) -> Any:
-        rows = jnp.where(unchanged, kept.reshape(*view, -1), made.reshape(*view, -1))
+        rows = where_rows(unchanged, kept.reshape(*view, -1), made.reshape(*view, -1))
         return rows.reshape(kept.shape)
 
     return jax.tree.map(chosen, stored, narrowed)
 
 
-def unchanged_rows(new: Any, old: Any) -> Any:
-    """Whether each row of ``new`` holds ``old``'s values (NaN where NaN), as a column.
-    Decided row by row: a row's blocks lie on one device under a sharding of the leading
-    axes, so the decision needs no collective."""
+def unchanged_rows(new: Any, old: Any, leading: int) -> Any:
+    """Whether each row of ``new`` (its axes after the ``leading`` ones) holds ``old``'s
+    values (NaN where NaN), of the leading axes' shape. Decided row by row: a row's
+    blocks lie on one device under a sharding of the leading axes, so the decision needs
+    no collective."""
     same = (new == old) | (jnp.isnan(new) & jnp.isnan(old))
-    return jnp.all(same, axis=-1, keepdims=True)
+    return jnp.all(same, axis=tuple(range(leading, same.ndim)))
+
+
+def where_rows(rows: Any, kept: Any, made: Any) -> Any:
+    """``kept``'s rows where ``rows`` (a boolean of the leading axes) holds, else
+    ``made``'s."""
+    return jnp.where(lax.expand_dims(rows, tuple(range(rows.ndim, kept.ndim))), kept, made)
 
 
 def _components(
@@ -445,13 +479,10 @@ def _run_component(
     ]
     state_outputs = sorted(set(state_outputs) | set(narrowed))
     shape = tuple(outvars[count + narrowed[0]].aval.shape)
-    whole = block_layout(shape, 256, partial_blocks=True)  # (a state kept element by element)
-    assert whole is not None
     layout = next(
         (slots[i].layout for i in narrowed if slots[i].layout is not None),
-        by_leading_axes(whole, CPU_SLICE),
-    )
-    assert layout is not None
+        None,
+    ) or element_rows(shape)
     # what the loop carries: each state leaf's stored arrays
     inputs = program.array_inputs(component)
     carried: list[tuple[Slot, list[Any]]] = [
@@ -547,7 +578,7 @@ def _run_component(
         carried_indices = update_indices if plan.carried_updates else []
         state_arrays, update_arrays, done = _loop(
             program, component, wanted, carried, sources, kept_others, kept_values,
-            kept_functions, values, (layers, rows_per_layer), layout.row_length, plan.iterations,
+            kept_functions, values, (layers, rows_per_layer), row_shape(layout), plan.iterations,
             [outvars[k] for k in carried_indices], [carriers[k][1] for k in carried_indices],
             previous, plan.viewed_as_bits,
         )  # fmt: skip
@@ -697,7 +728,7 @@ def _sliced_loop(
     other_functions: list[Callable[[Any], Any] | None],
     values: dict[Any, Any],
     rows: tuple[int, int],
-    row_length: int,
+    row: tuple[int, ...],
     iterations: int,
     updates: list[Any],
     carrier_inputs: list[tuple[Any, Any, Callable[[Any], Any] | None]],
@@ -706,8 +737,9 @@ def _sliced_loop(
 ) -> tuple[list[list[Any]], list[Any], Any]:
     """The carried arrays after ``iterations`` iterations, each over every
     ``iterations``-th row of each layer (``rows``: the layers of a stack, its first
-    axis, and the rows of each; one layer for a tensor that is not a stack), which it
-    keeps apart: the component evaluated on the slice, the new state written
+    axis, and the rows of each; one layer for a tensor that is not a stack; ``row``:
+    the shape a row of values is read as, a carried state's as its slot says), which
+    it keeps apart: the component evaluated on the slice, the new state written
     in place, and each of ``updates`` written into the buffer of its gradient
     (``carrier_inputs``: the input variable, its source array and the function that
     computes it from the source's slice).
@@ -729,16 +761,20 @@ def _sliced_loop(
     def from_bits(pieces: list[Any], dtypes: list[Any]) -> list[Any]:
         return [_from_bits(p, dtype) for p, dtype in zip(pieces, dtypes, strict=True)]
 
-    def as_rows(array: Any) -> Any:  # (layers, group, iterations, per row): strided slices
-        return array.reshape(layers, group, iterations, -1)
+    def as_rows(array: Any, trailing: tuple[int, ...] = row) -> Any:
+        # (layers, group, iterations, *a row): strided slices
+        return array.reshape(layers, group, iterations, *trailing)
 
     def piece(array: Any, step: Any) -> Any:
-        start = (0, 0, step, 0)
-        size = (layers, group, 1, array.shape[3])
+        start = (0, 0, step) + (0,) * (array.ndim - 3)
+        size = (layers, group, 1, *array.shape[3:])
         return lax.dynamic_slice(array, start, size)[:, :, 0]
 
     carried_dtypes = [[jnp.result_type(a) for a in stored] for _, stored in carried]
-    arrays = [[as_rows(as_bits(a)) for a in stored] for _, stored in carried]
+    arrays = [
+        [as_rows(as_bits(a), shape) for a, shape in zip(stored, slot.row_shapes(row), strict=True)]
+        for slot, stored in carried
+    ]
     arrays += [[as_rows(as_bits(source))] for _, source, _ in carrier_inputs]
     other_dtypes = [jnp.result_type(v) for v in other_values]
     other_rows = [as_rows(as_bits(v)) for v in other_values]
@@ -765,15 +801,16 @@ def _sliced_loop(
             value = _from_bits(pieces[0], dtype)
             inputs[var] = value if function is None else function(value)
 
-        shape = (layers, group, row_length)
+        shape = (layers, group, *row)
 
         def positions() -> Any:  # each element's row-major index in its leaf
             layer = lax.broadcasted_iota(jnp.uint32, shape, 0)
             rows_of_slice = lax.broadcasted_iota(jnp.uint32, shape, 1)
-            columns = lax.broadcasted_iota(jnp.uint32, shape, 2)
-            row = rows_of_slice * np.uint32(iterations) + jnp.asarray(step).astype(jnp.uint32)
-            row = layer * np.uint32(rows_per_layer) + row
-            return row * np.uint32(row_length) + columns
+            index = rows_of_slice * np.uint32(iterations) + jnp.asarray(step).astype(jnp.uint32)
+            index = layer * np.uint32(rows_per_layer) + index
+            for axis, length in enumerate(row, start=2):
+                index = index * np.uint32(length) + lax.broadcasted_iota(jnp.uint32, shape, axis)
+            return index
 
         results = program.evaluate_slice(component, wanted_all, inputs, values, shape, positions)
         written = []
@@ -789,8 +826,8 @@ def _sliced_loop(
                 # a row the update left as it was (a branch that keeps the state: the
                 # steps between optax.MultiSteps' applied ones) keeps its stored codes
                 # and scales: quantized again, a block need not give them back
-                unchanged = unchanged_rows(result, slot.read_rows(from_bits(old, dtypes)))
-                new = [jnp.where(unchanged, o, n) for o, n in zip(old, new, strict=True)]
+                unchanged = unchanged_rows(result, slot.read_rows(from_bits(old, dtypes)), 2)
+                new = [where_rows(unchanged, o, n) for o, n in zip(old, new, strict=True)]
             if skip is not None:  # a skipped step writes back what it read
                 new = [jnp.where(skip, o, n) for o, n in zip(old, new, strict=True)]
             written.append(new)
@@ -802,7 +839,9 @@ def _sliced_loop(
     def write(arrays: list[list[Any]], written: list[list[Any]], step: Any) -> list[list[Any]]:
         return [
             [
-                lax.dynamic_update_slice(a, p[:, :, None].astype(a.dtype), (0, 0, step, 0))
+                lax.dynamic_update_slice(
+                    a, p[:, :, None].astype(a.dtype), (0, 0, step) + (0,) * (a.ndim - 3)
+                )
                 for a, p in zip(now, new, strict=True)
             ]
             for now, new in zip(arrays, written, strict=True)
@@ -866,10 +905,10 @@ def _sliced_loop(
 
 
 def _slice_shape(rows: Any) -> tuple[int, ...]:
-    """The shape of one iteration's slice of a ``(layers, group, iterations, per row)``
+    """The shape of one iteration's slice of a ``(layers, group, iterations, *a row)``
     view."""
-    layers, group, _, per_row = rows.shape
-    return (layers, group, per_row)
+    layers, group, _, *row = rows.shape
+    return (layers, group, *row)
 
 
 def _as_bits(array: Any, widths: tuple[int, ...] = (8, 16)) -> Any:

@@ -38,6 +38,7 @@ from jaxscale.optim._blockwise import (
     quantizable,
     quantize_blockwise,
     quantize_rows,
+    rows_of,
     value_shape,
 )
 from jaxscale.optim._in_place import AS_IS, CPU_SLICE, Slot, update_in_place
@@ -369,8 +370,8 @@ def _filled(slot: Slot, fill: np.ndarray) -> tuple[jax.Array, jax.Array]:
     block = jnp.full((1, layout.block_size), fill, jnp.float32)
     one = block_layout((1, layout.block_size), layout.block_size)
     assert one is not None
-    codes, scale = quantize_rows(block, one, fmt, slot.signed)
-    return jnp.full(shape, codes[0, 0]), jnp.full(layout.scale_shape, scale[0, 0])
+    codes, scale = quantize_rows(rows_of(block, one), one, fmt, slot.signed)
+    return jnp.full(shape, codes.reshape(-1)[0]), jnp.full(layout.scale_shape, scale.reshape(-1)[0])
 
 
 def _typed_like(array: jax.Array, leaf: Any) -> jax.Array:

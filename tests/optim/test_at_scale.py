@@ -672,8 +672,8 @@ def test_a_leaf_is_sliced_in_rows_of_its_leading_axes_holding_the_same_blocks():
         f = _blockwise.format_of(fmt)
         layout = _blockwise.block_layout((64, 4096), f.block_size)
         one, many = layout, by_rows(layout)
-        a = _blockwise.quantize_rows(x.reshape(one.rows, -1), one, f, True)
-        b = _blockwise.quantize_rows(x.reshape(many.rows, -1), many, f, True)
+        a = _blockwise.quantize_rows(_blockwise.rows_of(x, one), one, f, True)
+        b = _blockwise.quantize_rows(_blockwise.rows_of(x, many), many, f, True)
         for p, q in zip(a, b, strict=True):
             np.testing.assert_array_equal(bytes_of(p), bytes_of(q))
     assert stored.rows == 1024  # (the stored layout itself is unchanged)
@@ -1189,16 +1189,21 @@ STACK = (6, 256, 256)  # (layers, rows, columns): a scan over layers keeps its w
 STACK_SHARDED = P(None, "fsdp", None)  # FSDP of the stack: each layer's rows
 
 
-def stacked_fsdp_step(tx, dtype=F32):
-    """A stacked weight sharded along its second axis and its state placed likewise
-    (``jax.jit(tx.init)`` with those shardings), and the jitted step a user writes: no
-    ``out_shardings``, so that where the new state lands is the step's own doing."""
+def stacked_fsdp_step(tx, dtype=F32, shape=STACK, spec=STACK_SHARDED):
+    """A stacked weight sharded along its second axis (or a weight of ``shape`` sharded
+    as ``spec``) and its state placed likewise (``jax.jit(tx.init)`` with those
+    shardings: codes and moments as the weight, the scales replicated), and the jitted
+    step a user writes: no ``out_shardings``, so that where the new state lands is the
+    step's own doing."""
     mesh = fsdp_mesh()
-    along = NamedSharding(mesh, STACK_SHARDED)
-    params = jax.ShapeDtypeStruct(STACK, dtype, sharding=along)
+    along = NamedSharding(mesh, spec)
+    params = jax.ShapeDtypeStruct(shape, dtype, sharding=along)
+    packed = (*shape[:-1], shape[-1] // 2)  # ("int4" codes)
     state = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(
-            s.shape, s.dtype, sharding=along if s.shape == STACK else NamedSharding(mesh, P())
+            s.shape,
+            s.dtype,
+            sharding=along if s.shape in (shape, packed) else NamedSharding(mesh, P()),
         ),
         jax.eval_shape(tx.init, params),
     )
@@ -1249,6 +1254,62 @@ def test_a_stacked_weight_sharded_along_its_rows_keeps_its_state_sharded(name):
     ):
         if leaf.shape == STACK:
             assert sharding.is_equivalent_to(NamedSharding(fsdp_mesh(), STACK_SHARDED), 3)
+
+
+SHORT_ROWS = {  # rows shorter than a block (256), sharded along the row: 16 columns a device
+    "a layer": ((256, 128), P(None, "fsdp")),
+    "a stack": ((6, 256, 128), P(None, None, "fsdp")),
+}
+
+
+@pytest.mark.parametrize("name", list(STACKED_TRANSFORMS))
+@pytest.mark.parametrize("weight", list(SHORT_ROWS))
+def test_rows_shorter_than_a_block_sharded_along_them_keep_their_state_sharded(name, weight):
+    # A layer's columns sharded (FSDP over a logical embedding axis of 128, as Flax's
+    # lm1b model has it), each block of 256 two of its rows: read as runs of 256, the
+    # shards were a minor part of one axis, and every transform gathered the weight and
+    # its state (f32, u8, u16 of the weight's shape). Read as (blocks, 2, 128), each
+    # device holds its columns of every block; the one collective left is the block
+    # maxima's all-reduce, a float per block (and the loss scaler's finite check; none
+    # for a state kept element by element). "int4"'s blocks of 128 are whole rows: its
+    # state stayed sharded before too.
+    make, dtype = STACKED_TRANSFORMS[name]
+    shape, spec = SHORT_ROWS[weight]
+    jitted, params, state = stacked_fsdp_step(make(), dtype, shape, spec)
+    compiled = machine.compiled_to_inspect(jitted.lower(params, state))
+    collectives = COLLECTIVE.findall(compiled.as_text())
+    assert {kind for _, kind, _ in collectives} <= {"all-reduce"}, collectives
+    blocks = math.prod(shape) // (128 if name == "int4" else 256)
+    for operands, _, _ in collectives:
+        for operand in re.findall(r"(\w+)\[([\d,]*)\]", operands):
+            kind, dims = operand
+            elements = math.prod(int(d) for d in dims.split(",") if d)
+            assert kind == "pred" or (kind == "f32" and elements <= blocks), collectives
+    elementwise = name in ("bfloat16", "stochastic_rounding", "kahan_summation")
+    assert bool(collectives) != elementwise, collectives
+    packed = (*shape[:-1], shape[-1] // 2)
+    for leaf, sharding in zip(
+        jax.tree.leaves(state), jax.tree.leaves(compiled.output_shardings[1]), strict=True
+    ):
+        if leaf.shape in (shape, packed):
+            assert sharding.is_equivalent_to(NamedSharding(fsdp_mesh(), spec), len(shape))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
+def test_a_step_of_rows_shorter_than_a_block_sharded_along_them_is_one_devices(fmt):
+    tx = jaxscale.low_precision_state(adamw(), fmt)
+    shape, spec = SHORT_ROWS["a layer"]
+    jitted, abstract_params, abstract_state = stacked_fsdp_step(tx, F32, shape, spec)
+    ramp = jnp.arange(1, shape[-1] + 1, dtype=F32)[None] / shape[-1]  # (unlike maxima)
+    params = jax.random.normal(jax.random.key(2), shape) * ramp
+    grads = jnp.sin(params * 7)
+    alone = jax.jit(tx.update)(grads, tx.init(params), params)
+    put = lambda tree, like: jax.tree.map(  # noqa: E731
+        lambda x, s: jax.device_put(x, s.sharding), tree, like
+    )
+    _, new_state = jitted(put(params, abstract_params), put(tx.init(params), abstract_state))
+    for a, b in zip(jax.tree.leaves(alone[1]), jax.tree.leaves(new_state), strict=True):
+        np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

@@ -228,3 +228,24 @@ def test_a_division_by_a_broadcast_scale_would_be_off_by_an_ulp():
     assert np.mean(rewritten != expected) > 0.1
     normalized, _ = quant_utils.scale_tensor(torch.from_numpy(x), 256)
     np.testing.assert_array_equal(normalized.numpy(), expected)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn", "int4"])
+@pytest.mark.parametrize("rows", [(128,), (4, 16), (512,), (8, 2, 32)])
+def test_blocks_of_a_tensor_of_short_rows_are_those_of_its_flattened_values(fmt, rows):
+    # a block spanning whole rows (two rows of 128, four of 4 × 16) is read in the
+    # tensor's own axes, several blocks in a row of 512 as (2, 256): the same blocks as
+    # the flattened tensor's, which the tests above hold to torchao's
+    block = 128 if fmt == "int4" else 256
+    x = blocks_with_edges(np.random.default_rng(7), block)
+    shaped = x.reshape(-1, *rows)
+    flat_codes, flat_scale = jax.jit(lambda x: jaxscale.quantize_blockwise(x, fmt))(x)
+    codes, scale = jax.jit(lambda x: jaxscale.quantize_blockwise(x, fmt))(shaped)
+    assert codes.shape == (shaped.shape if fmt != "int4" else (*shaped.shape[:-1], rows[-1] // 2))
+    as_bytes = lambda a: np.asarray(a).reshape(-1).view(np.uint8)  # noqa: E731
+    np.testing.assert_array_equal(as_bytes(codes), as_bytes(flat_codes))
+    np.testing.assert_array_equal(as_bytes(scale), as_bytes(flat_scale))
+    signed = {} if fmt == "float8_e4m3fn" else {"signed": True}
+    back = jaxscale.dequantize_blockwise(codes, scale, fmt, **signed)
+    flat_back = jaxscale.dequantize_blockwise(flat_codes, flat_scale, fmt, **signed)
+    np.testing.assert_array_equal(as_bytes(back), as_bytes(flat_back))
