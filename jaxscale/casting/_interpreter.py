@@ -679,7 +679,10 @@ class Autocaster:
 
         outside = operands
         spec = explicit_spec_of_type(eqn.outvars[0].aval)
-        return on_automatic_axes(inside, (operands, keys), lambda _: spec)
+        # (a measurement that leaves the matmul as it is returns None: nothing to type)
+        return on_automatic_axes(
+            inside, (operands, keys), lambda result: None if result is None else spec
+        )
 
     def _cast_operands(
         self, eqn: Any, precision: Precision, invals: list[Any], in_tags: list[Tag],

@@ -383,6 +383,31 @@ def test_a_report_on_explicit_mesh_axes_is_the_report_on_automatic_ones(recipe):
         assert [getattr(a, f) for f in figures] == [getattr(b, f) for f in figures]
 
 
+def test_a_matmul_of_two_activations_on_explicit_mesh_axes_is_left_out_as_on_automatic_ones():
+    # Attention's scores and its weighted sum multiply two activations: the report
+    # leaves them out, and on explicit axes (Flax's Gemma example, its batch sharded)
+    # leaving them out met a result it could not type back and raised a pytree error
+    rng = np.random.default_rng(5)
+    weights = {n: jnp.asarray(rng.normal(size=(64, 64)) / 8, F32) for n in ("q", "k", "v")}
+    tokens = jnp.asarray(rng.normal(size=(8, 16, 64)), F32)
+
+    def attention(weights, x):
+        q, k, v = (x @ weights[n] for n in ("q", "k", "v"))
+        scores = jax.nn.softmax(jnp.einsum("btd,bsd->bts", q, k) / 8)
+        return jnp.mean(jnp.square(jnp.einsum("bts,bsd->btd", scores, v)))
+
+    reports = {}
+    for kind in (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit):
+        with jax.set_mesh(machine.mesh((8,), ("data",), axis_types=(kind,))):
+            x = jax.device_put(tokens, P("data"))
+            reports[kind] = float8_report(attention, weights, x, recipe="rowwise")
+    automatic, explicit = reports.values()
+    assert [m.site.weight for m in explicit.matmuls] == ["[0]['q']", "[0]['k']", "[0]['v']"]
+    for a, b in zip(automatic.matmuls, explicit.matmuls, strict=True):
+        for figure in ("output", "input_grad", "weight_grad", "flushed", "saturated", "flops"):
+            assert getattr(b, figure) == pytest.approx(getattr(a, figure), rel=1e-5), figure
+
+
 @pytest.mark.parametrize(
     "recipe",
     [
