@@ -1259,6 +1259,8 @@ def test_a_stacked_weight_sharded_along_its_rows_keeps_its_state_sharded(name):
 SHORT_ROWS = {  # rows shorter than a block (256), sharded along the row: 16 columns a device
     "a layer": ((256, 128), P(None, "fsdp")),
     "a stack": ((6, 256, 128), P(None, None, "fsdp")),
+    # a convolution's kernel, its output channels sharded (ResNet-18's (3, 3, 32, 32))
+    "a convolution": ((3, 3, 32, 32), P(None, None, None, "fsdp")),
 }
 
 
