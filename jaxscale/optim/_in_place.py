@@ -417,11 +417,12 @@ def _narrowed_unless_unchanged(slot: Slot, new: Any, old: Any, stored: Any) -> A
     view = row_view(layout)
     unchanged = unchanged_rows(rows_of(new, layout), rows_of(old, layout), len(view))
 
-    def chosen(kept: Any, made: Any) -> Any:
-        rows = where_rows(unchanged, kept.reshape(*view, -1), made.reshape(*view, -1))
+    def chosen(kept: Any, made: Any, row: tuple[int, ...]) -> Any:
+        rows = where_rows(unchanged, kept.reshape(*view, *row), made.reshape(*view, *row))
         return rows.reshape(kept.shape)
 
-    return jax.tree.map(chosen, stored, narrowed)
+    arrays = zip(slot.arrays(stored), slot.arrays(narrowed), slot.row_shapes(()), strict=True)
+    return slot.stored([chosen(*each) for each in arrays], stored)
 
 
 def unchanged_rows(new: Any, old: Any, leading: int) -> Any:
