@@ -1310,13 +1310,10 @@ def test_rows_shorter_than_a_block_sharded_along_them_keep_their_state_sharded(n
             assert sharding.is_equivalent_to(NamedSharding(fsdp_mesh(), spec), len(shape))
 
 
-@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
-def test_a_step_of_rows_shorter_than_a_block_sharded_along_them_is_one_devices(fmt):
-    tx = jaxscale.low_precision_state(adamw(), fmt)
-    shape, spec = SHORT_ROWS["a layer"]
-    jitted, abstract_params, abstract_state = stacked_fsdp_step(tx, F32, shape, spec)
-    ramp = jnp.arange(1, shape[-1] + 1, dtype=F32)[None] / shape[-1]  # (unlike maxima)
-    params = jax.random.normal(jax.random.key(2), shape) * ramp
+def assert_sharded_step_is_one_devices(tx, params, spec):
+    """The step of :func:`stacked_fsdp_step` on ``params`` sharded as ``spec`` makes the
+    state one device's ``tx.update`` makes, bit for bit."""
+    jitted, abstract_params, abstract_state = stacked_fsdp_step(tx, F32, params.shape, spec)
     grads = jnp.sin(params * 7)
     alone = jax.jit(tx.update)(grads, tx.init(params), params)
     put = lambda tree, like: jax.tree.map(  # noqa: E731
@@ -1325,21 +1322,21 @@ def test_a_step_of_rows_shorter_than_a_block_sharded_along_them_is_one_devices(f
     _, new_state = jitted(put(params, abstract_params), put(tx.init(params), abstract_state))
     for a, b in zip(jax.tree.leaves(alone[1]), jax.tree.leaves(new_state), strict=True):
         np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3fn"])
+def test_a_step_of_rows_shorter_than_a_block_sharded_along_them_is_one_devices(fmt):
+    shape, spec = SHORT_ROWS["a layer"]
+    ramp = jnp.arange(1, shape[-1] + 1, dtype=F32)[None] / shape[-1]  # (unlike maxima)
+    params = jax.random.normal(jax.random.key(2), shape) * ramp
+    assert_sharded_step_is_one_devices(jaxscale.low_precision_state(adamw(), fmt), params, spec)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_sharded_stacked_weights_step_computes_what_one_device_does(fmt):
-    tx = jaxscale.low_precision_state(adamw(), fmt)
-    jitted, abstract_params, abstract_state = stacked_fsdp_step(tx)
     params = jax.random.normal(jax.random.key(1), STACK) * 0.1
-    grads = jnp.sin(params * 7)
-    alone = jax.jit(tx.update)(grads, tx.init(params), params)
-    put = lambda tree, like: jax.tree.map(  # noqa: E731
-        lambda x, s: jax.device_put(x, s.sharding), tree, like
-    )
-    _, new_state = jitted(put(params, abstract_params), put(tx.init(params), abstract_state))
-    for a, b in zip(jax.tree.leaves(alone[1]), jax.tree.leaves(new_state), strict=True):
-        np.testing.assert_array_equal(bytes_of(a), bytes_of(b))
+    tx = jaxscale.low_precision_state(adamw(), fmt)
+    assert_sharded_step_is_one_devices(tx, params, STACK_SHARDED)
 
 
 def test_an_fsdp_step_computes_what_one_device_does():
