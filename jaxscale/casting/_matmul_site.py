@@ -130,6 +130,12 @@ def exclude_names(*patterns: str) -> Filter:
       >>> step(params, jnp.ones((16, 32))).dtype
       dtype(bfloat16)
     """
+    if not patterns:
+        # (a filter of no patterns would keep every matmul in the recipe, silently)
+        raise TypeError(
+            'exclude_names needs at least one pattern, e.g. exclude_names("lm_head"); to '
+            "run every matmul in the recipe, pass no float8_filter"
+        )
     for pattern in patterns:
         if not isinstance(pattern, str) or not pattern:
             raise TypeError(f"exclude_names takes non-empty strings, got {pattern!r}")

@@ -201,7 +201,8 @@ def low_precision_state(
       :class:`LowPrecisionState`.
 
     Raises:
-      TypeError: for an ``inner`` that is not an Optax transform.
+      TypeError: for an ``inner`` that is not an Optax transform, or a
+        ``partial_blocks`` that is not a bool.
       ValueError: for another ``dtype``, naming the formats; a ``block_size`` below
         2 (or odd, for ``"int4"``); a ``block_size`` or ``partial_blocks`` given with
         ``"bfloat16"``, which has no blocks.
@@ -215,6 +216,8 @@ def low_precision_state(
     """
     inner = validated_inner(inner, "low_precision_state")
     fmt = _state_format(dtype)
+    if not isinstance(partial_blocks, bool):
+        raise TypeError(f"partial_blocks must be True or False, got {partial_blocks!r}")
     if fmt is BFLOAT16:
         if block_size is not None or partial_blocks:
             raise ValueError(

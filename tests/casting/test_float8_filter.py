@@ -419,6 +419,11 @@ def test_bad_filters_are_named():
         answer(jnp.ones((32, 32)), X)
     with pytest.raises(TypeError, match="non-empty strings"):
         exclude_names("")
+    # a filter of no names would keep every matmul in the recipe without a word
+    with pytest.raises(
+        TypeError, match=r'needs at least one pattern, e.g. exclude_names\("lm_head"\)'
+    ):
+        exclude_names()
     with pytest.raises(ValueError, match="first must be an int >= 0"):
         exclude_layers(first=-1)
     with pytest.raises(ValueError, match="torchao's thresholds"):

@@ -433,6 +433,9 @@ def test_low_precision_state_refuses_other_formats():
         jaxscale.low_precision_state(adamw(), "int8", block_size=0)
     with pytest.raises(ValueError, match="bfloat16 state is stored element by element"):
         jaxscale.low_precision_state(adamw(), "bfloat16", block_size=128)
+    # a truthy string would have quantized every leaf's partial blocks without a word
+    with pytest.raises(TypeError, match="partial_blocks must be True or False, got 'yes'"):
+        jaxscale.low_precision_state(adamw(), "int8", partial_blocks="yes")
 
 
 # -- composition -------------------------------------------------------------------------------
