@@ -159,7 +159,8 @@ def exclude_layers(first: int = 0, last: int = 0, *, name: str = "layers",
     iteration, and the scan's length is the number of layers: autocast splits the scan
     where the answer changes, so the kept layers run without the recipe. Otherwise it
     is the index after ``name`` in the site's names (``layers[3]`` of NNX and Equinox,
-    ``layers_3`` of Linen), out of ``count`` layers. Matmuls in no layer (an embedding
+    ``layers_3`` of Linen and Haiku; Haiku's first instance of a module, ``layers``
+    without a number, is layer 0), out of ``count`` layers. Matmuls in no layer (an embedding
     projection, the output head) are left to the recipe: combine with
     :func:`exclude_names` to keep those too. A function none of whose matmuls is in a
     layer makes ``autocast`` raise ``ValueError`` naming the lists the weights are in
@@ -199,6 +200,10 @@ class LayerFilter:
         self.first, self.last, self.name, self.count = first, last, name, count
         self.asked = 0
         self.in_layers = 0
+        # sites read as layer 0 because a scope of their name stack is ``name`` itself
+        # (Haiku's first instance of a module), and sites found at a numbered position
+        self.unnumbered = 0
+        self.numbered = 0
         self.other_lists: dict[str, None] = {}  # lists the unplaced sites are in, in order
         self.__qualname__ = f"exclude_layers(first={first}, last={last})"
 
@@ -212,6 +217,14 @@ class LayerFilter:
             position, total = site.layer, site.layers
         else:
             position = site.list_index(self.name)
+            if position is not None:
+                self.numbered += 1
+            elif self.name in _parts(site.name_stack):
+                # Haiku numbers a module's instances ``block``, ``block_1``, ``block_2``:
+                # the first has no number. (A module named ``name`` that holds the layers
+                # instead has no numbered sibling: check_since refuses it.)
+                position = 0
+                self.unnumbered += 1
             if position is None:
                 for list_name in site.list_names():
                     self.other_lists.setdefault(list_name)
@@ -232,14 +245,24 @@ class LayerFilter:
         self.in_layers += 1
         return self.first <= position < total - self.last
 
-    def progress(self) -> tuple[int, int]:
-        """``(asked, in_layers)`` so far: what :meth:`check_since` compares with."""
-        return self.asked, self.in_layers
+    def progress(self) -> tuple[int, int, int, int]:
+        """``(asked, in_layers, unnumbered, numbered)`` so far: what :meth:`check_since`
+        compares with."""
+        return self.asked, self.in_layers, self.unnumbered, self.numbered
 
-    def check_since(self, progress: tuple[int, int]) -> None:
+    def check_since(self, progress: tuple[int, int, int, int]) -> None:
         """Raises when the filter was asked about matmuls since ``progress`` and found
-        none of them in a layer (a scan's iteration or ``name[i]``)."""
-        asked, in_layers = progress
+        none of them in a layer (a scan's iteration or ``name[i]``), or read some as
+        layer 0 by a scope named ``name`` where no other layer had a number."""
+        asked, in_layers, unnumbered, numbered = progress
+        if self.unnumbered != unnumbered and self.numbered == numbered and self.count != 1:
+            raise ValueError(
+                f"{self.__qualname__}: the function's matmuls under the scope "
+                f"{self.name!r} have no numbered sibling ({self.name}_1, {self.name}_2, "
+                f"...), so {self.name!r} holds the layers rather than being the first of "
+                f"them: pass name= the layers' own name (Haiku numbers a module's "
+                f"instances {self.name!r}, {self.name + '_1'!r}, ...)"
+            )
         if self.asked == asked or self.in_layers != in_layers:
             return
         found = [n for n in self.other_lists if n != self.name]

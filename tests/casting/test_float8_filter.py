@@ -380,6 +380,46 @@ def test_haikus_numbered_modules_are_suggested_by_their_name():
     assert float8_matmuls(lambda x: fn(params, x), X) == 12  # blocks 1-3 and the head
 
 
+class HaikuBlock(hk.Module):
+    def __call__(self, x):
+        return x + hk.Linear(32)(jax.nn.relu(hk.Linear(32)(x)))
+
+
+def test_haikus_first_instance_of_a_module_is_layer_0():
+    # Haiku names a module's instances block, block_1, block_2, ...: the first has no
+    # number, and was taken for a matmul in no layer (kept in the recipe)
+    def forward(x):
+        for _ in range(4):
+            x = HaikuBlock()(x)
+        return hk.Linear(16, name="head")(x)
+
+    model = hk.without_apply_rng(hk.transform(forward))
+    params = model.init(jax.random.key(0), X)
+    assert sorted(params)[:3] == [
+        "haiku_block/linear",
+        "haiku_block/linear_1",
+        "haiku_block_1/linear",
+    ]
+    keep = exclude_layers(first=1, last=1, name="haiku_block", count=4)
+    fn = jaxscale.autocast(model.apply, dtype=BF16, float8="rowwise", float8_filter=keep)
+    assert float8_matmuls(lambda x: fn(params, x), X) == 15  # blocks 1 and 2 and the head
+
+
+def test_a_haiku_module_holding_the_layers_is_not_taken_for_the_first():
+    # a module named as the list, its layers numbered under another name: reading every
+    # matmul under it as layer 0 would keep them all out of the recipe without a word
+    def forward(x):
+        return hk.Sequential([hk.Linear(32) for _ in range(4)], name="layers")(x)
+
+    model = hk.without_apply_rng(hk.transform(forward))
+    params = model.init(jax.random.key(0), X)
+    keep = exclude_layers(first=1, count=4)
+    fn = jaxscale.autocast(model.apply, dtype=BF16, float8="rowwise", float8_filter=keep)
+    refused = r"'layers' have no numbered sibling \(layers_1, layers_2, \.\.\.\), so 'layers' holds"
+    with pytest.raises(ValueError, match=refused):
+        fn(params, X)
+
+
 def test_linens_numbered_layers_are_found_too():
     site = MatmulSite("Model/layers_3/Dense_0", None, "", ((16, 32), (32, 32)), (16, 32, 32), 0)
     assert site.list_index("layers") == 3
